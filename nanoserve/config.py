@@ -1,0 +1,135 @@
+"""config.py: the one `Config` object that every layer of nanoserve reads.
+
+Built once at start-up, validated, then resolved against the model (max_model_len capped by
+the checkpoint's max_position_embeddings) and the memory profile (num_kv_blocks), and never
+changed again. Every field carries its default and its help text, so the CLI flags
+(`--max-model-len`, `--no-enable-prefix-caching`, ...) are generated from this file alone:
+
+    >>> Config(block_size=16).block_size
+    16
+    >>> Config(block_size=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: block_size must be a positive integer (got 0)
+
+This module must not import torch: the CLI, the calculators and the trace replay read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+DEFAULT_MODEL = "nanoserve-tiny"
+
+
+def _f(default: Any, help: str, choices: tuple | None = None):
+    """A dataclass field with the help text the CLI shows (and the allowed choices)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Config:
+    # -- model ---------------------------------------------------------------
+    model: str = _f(DEFAULT_MODEL, "HF-format checkpoint directory, hub id, or the built-in "
+                    "'nanoserve-tiny'.")
+    tokenizer: Optional[str] = _f(None, "Tokenizer directory or hub id (default: the model's).")
+    dtype: str = _f("auto", "Weight and activation dtype. 'auto': the checkpoint's dtype on "
+                    "CUDA, float32 on CPU.", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _f("auto", "'auto': cuda when available, else cpu.", ("auto", "cpu", "cuda"))
+    seed: int = _f(0, "Seed for requests that have no seed of their own.")
+    max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
+                                      "Default and cap: the model's max_position_embeddings.")
+    # -- KV cache ------------------------------------------------------------
+    block_size: int = _f(16, "Tokens per KV cache block.")
+    num_kv_blocks: Optional[int] = _f(None, "Override the computed KV pool size (in blocks).")
+    kv_cache_memory_gb: Optional[float] = _f(None, "KV cache size in GiB. Default: profiled on "
+                                             "CUDA, 1 GiB on CPU.")
+    gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory nanoserve may use "
+                                       "(weights + activations + KV cache).")
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes.")
+    # -- scheduler -----------------------------------------------------------
+    max_num_seqs: int = _f(64, "Most requests running in one step.")
+    max_num_batched_tokens: int = _f(2048, "Token budget of one step (prefill + decode).")
+    enable_chunked_prefill: bool = _f(True, "Split long prompts over several steps.")
+    scheduling_policy: str = _f("fcfs", "Who is admitted first, and who is preempted first.",
+                                ("fcfs", "priority"))
+    # -- sampling and observability -----------------------------------------
+    max_logprobs: int = _f(20, "Largest `logprobs` a request may ask for.")
+    trace: Optional[str] = _f(None, "Write a JSONL trace of every step to this path.")
+
+    def __post_init__(self):
+        _positive_int(self, "block_size")
+        _positive_int(self, "max_num_seqs")
+        _positive_int(self, "max_num_batched_tokens")
+        for name in ("max_model_len", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _positive_int(self, name)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer (got {self.seed!r})")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0 (got {self.max_logprobs!r})")
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0 (got {self.kv_cache_memory_gb})")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1] "
+                             f"(got {self.gpu_memory_utilization})")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)} "
+                                 f"(got {getattr(self, f.name)!r})")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            # Without chunking a whole prompt must fit in one step's budget.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is off")
+
+    def resolve(self, *, max_position_embeddings: int, num_kv_blocks: int) -> "Config":
+        """The start-up step: fix the values that depend on the model and the memory.
+
+        max_model_len defaults to, and is capped by, the model's max_position_embeddings.
+        """
+        if self.max_model_len is not None and self.max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({max_position_embeddings})")
+        return dataclasses.replace(self, max_model_len=self.max_model_len or max_position_embeddings,
+                                   num_kv_blocks=num_kv_blocks)
+
+    # -- CLI -----------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """Add one flag per field: max_model_len -> --max-model-len (bools get --no-...)."""
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(f.type)
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                    default=f.default, help=f.metadata["help"])
+            else:
+                parser.add_argument(flag, type=kind, default=f.default,
+                                    choices=f.metadata.get("choices"), help=f.metadata["help"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "Config":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _positive_int(config: Config, name: str) -> None:
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer (got {value!r})")
+
+
+def _base_type(annotation: str) -> type:
+    """'Optional[int]' -> int: the type argparse should parse the flag's value with."""
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if annotation.replace("Optional[", "").rstrip("]") == name:
+            return kind
+    return str

@@ -1,0 +1,92 @@
+"""sampling_params.py: what one request asks of the sampler and of the stop checks.
+
+The names and defaults follow vLLM's `SamplingParams`, so a vLLM user's code reads the same:
+
+    >>> SamplingParams(temperature=0.0, max_tokens=8).is_greedy
+    True
+    >>> SamplingParams(top_p=1.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: top_p must be in (0, 1] (got 1.5)
+
+Validation happens here, at construction, so bad input is refused before it reaches the
+engine. Torch-free: the scheduler and the API server read it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1                       # completions per prompt (they share the prompt's blocks)
+    temperature: float = 1.0         # 0 = greedy
+    top_p: float = 1.0               # nucleus: keep the smallest set with mass >= top_p
+    top_k: int = 0                   # keep the k most likely tokens; 0 (or -1) = all
+    min_p: float = 0.0               # drop tokens whose prob < min_p * max prob
+    seed: Optional[int] = None       # a request's own generator: same seed, same tokens
+    max_tokens: Optional[int] = 16   # None = until max_model_len
+    min_tokens: int = 0              # EOS and stop_token_ids are masked until this many
+    stop: Optional[Union[str, list[str]]] = None    # stop strings, checked on text
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0    # -2..2, once per token that has appeared in the output
+    frequency_penalty: float = 0.0   # -2..2, per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0; > 1 discourages tokens of prompt and output
+    logprobs: Optional[int] = None   # also return the top-n logprobs of each sampled token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+               "must be >= 0", self.temperature)
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
+               self.top_p)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+               "must be an integer >= 0 (0 or -1 disables it)", self.top_k)
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]",
+               self.min_p)
+        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", "must be an integer >= 1", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               "must be an integer >= 0", self.min_tokens)
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "must be non-empty strings", self.stop)
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be token ids (integers >= 0)", self.stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", "must be > 0", self.repetition_penalty)
+        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+               "logprobs", "must be an integer >= 0", self.logprobs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"{name} {rule} (got {value!r})")

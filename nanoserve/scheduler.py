@@ -1,0 +1,374 @@
+"""scheduler.py: every step, who runs and how many tokens each gets (vLLM V1 semantics).
+
+There are no prefill and decode phases. Each request has `num_computed_tokens` (tokens
+whose K/V are in the cache) and `num_tokens` (prompt + output so far); a step gives it
+`min(num_tokens - num_computed_tokens, token budget left)` new tokens. A decode is just
+the case where that difference is 1; a long prompt split over several steps (chunked
+prefill) is the case where the budget runs out first. Example, budget 8, block_size 4:
+
+    step 1: A (prompt 10) gets 8 tokens            A computed 8/10, nothing sampled
+    step 2: A gets 2 (samples its first token), B (prompt 3) gets 3 (samples too)
+    step 3: A gets 1, B gets 1                      two decodes in one batch
+
+Order within a step: running requests first (in admission order), then waiting ones
+(FCFS, or by priority) while the budget, `max_num_seqs` seats and free blocks last. When
+a running request cannot get a block, the last-admitted running request (under
+`priority`: the lowest-priority one) is preempted: its blocks are freed, its
+`num_computed_tokens` goes back to 0, and it returns to the front of the waiting queue
+(recompute preemption). Its full blocks keep their hashes, so it usually resumes with
+a prefix-cache hit.
+
+`update()` takes the sampled tokens, applies the stop checks (EOS unless ignore_eos,
+stop_token_ids, max_tokens, max_model_len; none before min_tokens) and frees finished
+requests' blocks. Stop *strings* are text, so the front end checks them and aborts.
+
+Run the tests: `pytest tests/test_scheduler.py`; the speed: `python scripts/bench_scheduler.py`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from nanoserve.config import Config
+from nanoserve.kv_cache import KVCacheManager
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.trace import NULL_TRACER
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One sequence in the engine: its tokens, its progress and its status."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: Optional[int] = None,
+                 arrival_time: Optional[float] = None, priority: int = 0):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority          # lower value = served first (vLLM's convention)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_hashes: list[bytes] = []   # filled by the KV cache manager
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | None = None   # the stop token id, when one ended it
+        self.num_preemptions = 0
+        self.max_tokens = 0                   # set by the scheduler: max_tokens capped by room
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.status.value if self.status.is_finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed "
+                f"{self.num_computed_tokens}/{self.num_tokens})")
+
+
+class WaitingQueue:
+    """FCFS: a deque, preempted requests go back to the front. Priority: kept sorted by
+    (priority, arrival_time), so a preempted request falls back into its own place."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._queue: Any = deque() if policy == "fcfs" else []
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "fcfs":
+            self._queue.appendleft(request) if front else self._queue.append(request)
+        else:
+            bisect.insort(self._queue, request, key=_priority_key)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft() if self.policy == "fcfs" else self._queue.pop(0)
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self):
+        return iter(self._queue)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return (request.priority, request.arrival_time)
+
+
+@dataclass
+class SchedulerOutput:
+    """What the worker runs this step. Parallel lists, one entry per scheduled request, in
+    batch order (running requests first, then newly admitted ones)."""
+
+    requests: list[Request]
+    num_scheduled_tokens: list[int]    # new tokens this step
+    num_computed_tokens: list[int]     # tokens already in the cache before this step
+    block_tables: list[list[int]]      # physical block ids of each request, logical order
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request gained in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None     # "stop" | "length" | "abort"
+    stop_reason: Optional[int] = None       # the stop token id that ended it, if any
+    new_logprobs: Any = None                # the sampler's logprobs for the new token
+
+
+class Scheduler:
+    def __init__(self, config: Config, kv_cache_manager: KVCacheManager, tracer=NULL_TRACER):
+        assert config.max_model_len is not None and config.num_kv_blocks is not None, \
+            "the scheduler needs a resolved Config (Config.resolve)"
+        self.config = config
+        self.kv = kv_cache_manager
+        self.tracer = tracer
+        self.block_size = config.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []    # in admission order
+        self.num_steps = 0
+        self.num_preemptions_total = 0
+
+    # -- admission -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or refuse it now if it could never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        room = max(self.config.max_model_len - request.num_prompt_tokens, 1)
+        request.max_tokens = room if max_tokens is None else min(max_tokens, room)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        if self.tracer.enabled:
+            self.tracer.emit("arrive", req=request.request_id, prompt_len=request.num_prompt_tokens,
+                             max_tokens=request.max_tokens)
+
+    def check_fits(self, prompt_len: int, max_tokens: Optional[int]) -> None:
+        """ValueError (why, and by how much) for a request that could never finish."""
+        max_model_len, bs = self.config.max_model_len, self.block_size
+        if prompt_len == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if prompt_len > max_model_len:
+            raise ValueError(f"prompt has {prompt_len} tokens, {prompt_len - max_model_len} more "
+                             f"than max_model_len ({max_model_len})")
+        final_len = min(prompt_len + (max_tokens or max_model_len), max_model_len)
+        # The last sampled token is never fed back, so at most final_len - 1 slots are used.
+        slots = max(prompt_len, final_len - 1)
+        capacity = self.kv.num_blocks * bs
+        if slots > capacity:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens needs {slots} KV cache slots, "
+                f"{slots - capacity} more than the whole pool holds ({self.kv.num_blocks} blocks "
+                f"of {bs}); lower max_tokens or give the KV cache more memory")
+
+    # -- one step ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        if self.tracer.enabled:
+            self.tracer.step = self.num_steps
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}       # request id -> new tokens, in batch order
+        preempted: list[Request] = []
+
+        # 1. Running requests, in admission order.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:   # only under `priority`
+                    budget += scheduled.pop(victim.request_id)
+                if self.running.index(victim) < i:
+                    i -= 1
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break   # the request preempted itself: nobody below it is left to free blocks
+
+        # 2. Waiting requests, unless this step already had to preempt (no room).
+        while (not preempted and len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        requests = [self.requests[rid] for rid in scheduled]
+        output = SchedulerOutput(
+            requests=requests,
+            num_scheduled_tokens=list(scheduled.values()),
+            num_computed_tokens=[r.num_computed_tokens for r in requests],
+            block_tables=[self.kv.req_to_block_ids[r.request_id] for r in requests],
+            preempted_req_ids=[r.request_id for r in preempted])
+        # vLLM advances num_computed_tokens at schedule time: the tokens are as good as
+        # computed once the forward runs, and the next schedule() must not count them again.
+        for request, num_new in zip(requests, output.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+        if self.tracer.enabled:
+            self._trace_schedule(output)
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=_priority_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        if self.tracer.enabled:
+            self.tracer.emit("preempt", req=request.request_id,
+                             num_computed_tokens=request.num_computed_tokens)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add(request, front=True)
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+               logprobs: Optional[dict[str, Any]] = None) -> list[EngineCoreOutput]:
+        """Append each sampled token, apply the stop checks, free the finished.
+
+        `sampled` maps request id -> token for the requests that reached the end of their
+        known tokens this step (a prefill chunk that did not samples nothing).
+        """
+        outputs = []
+        finished = False
+        for request in output.requests:
+            token = sampled.get(request.request_id)
+            if token is None or request.status.is_finished:
+                continue
+            request.append_output_token(token)
+            if self._check_stop(request, token):
+                self._finish(request)
+                finished = True
+            outputs.append(EngineCoreOutput(request.request_id, [token], request.finish_reason,
+                                            request.stop_reason,
+                                            logprobs.get(request.request_id) if logprobs else None))
+        if finished:
+            self.running = [r for r in self.running if not r.status.is_finished]
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token
+                return True
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def _finish(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if self.tracer.enabled:
+            self.tracer.emit("finish", req=request.request_id, reason=request.finish_reason,
+                             prompt_len=request.num_prompt_tokens,
+                             output_len=request.num_output_tokens)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Stop requests wherever they are and free what they held. Unknown ids are ignored
+        (a request may finish on its own just before its abort arrives)."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._finish(request)
+            aborted.append(request)
+        return aborted
+
+    # -- state ---------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def _trace_schedule(self, output: SchedulerOutput) -> None:
+        num_decode = sum(n for r, n, c in zip(output.requests, output.num_scheduled_tokens,
+                                              output.num_computed_tokens)
+                         if c >= r.num_prompt_tokens)
+        pool = self.kv.pool
+        self.tracer.emit(
+            "schedule",
+            scheduled={r.request_id: n for r, n in zip(output.requests, output.num_scheduled_tokens)},
+            running=[r.request_id for r in self.running],
+            waiting=[r.request_id for r in self.waiting],
+            num_prefill_tokens=output.total_num_scheduled_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            kv_used=pool.num_blocks - pool.num_free_blocks, kv_free=pool.num_free_blocks,
+            kv_cached=pool.num_cached_free_blocks)

@@ -1,0 +1,108 @@
+"""A model-free engine for testing the scheduler and the KV cache manager.
+
+The fake model stores each scheduled token's id in a fake KV cache at its slot (through
+the block table, as store_kv does), then reads the whole sequence back through the block
+table and computes the next token from what it read. A wrong block table, a bad prefix
+hit or an evicted block that is still in use therefore changes the output, and
+`reference_tokens` (the same rule on the true token list) is the oracle.
+"""
+
+from __future__ import annotations
+
+from nanoserve.config import Config
+from nanoserve.kv_cache import KVCacheManager
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import Request, Scheduler
+
+VOCAB = 50
+
+
+def next_token(seq: list[int]) -> int:
+    """Deterministic 'model': a function of the last three tokens and the length."""
+    a, b, c = ([0, 0] + seq)[-3:]
+    return (a + 3 * b + 7 * c + len(seq)) % VOCAB
+
+
+def reference_tokens(prompt: list[int], max_tokens: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(max_tokens):
+        out.append(next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=256, tracer=None, **kwargs):
+    config = Config(block_size=block_size, max_model_len=max_model_len, num_kv_blocks=num_blocks,
+                    **kwargs)
+    from nanoserve.trace import NULL_TRACER
+    tracer = tracer or NULL_TRACER
+    kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, tracer)
+    return Scheduler(config, kv, tracer)
+
+
+class FakeRunner:
+    """Plays the worker: store through slot_mapping, read back through block tables."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.cache = [-1] * (num_blocks * block_size)
+
+    def slot(self, block_table: list[int], pos: int) -> int:
+        return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def execute(self, out) -> dict[str, int]:
+        # Store every scheduled token first, then read: the real model does the same per
+        # layer, which is what lets an n > 1 sibling share blocks computed in the same step.
+        for req, n, c, bt in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens,
+                                 out.block_tables):
+            for pos in range(c, c + n):
+                self.cache[self.slot(bt, pos)] = req.all_token_ids[pos]
+        sampled = {}
+        for req, n, c, bt in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens,
+                                 out.block_tables):
+            if c + n == req.num_tokens:
+                seq = [self.cache[self.slot(bt, p)] for p in range(c + n)]
+                assert seq == req.all_token_ids, f"{req.request_id} read back wrong KV"
+                sampled[req.request_id] = next_token(seq)
+        return sampled
+
+
+def run(scheduler: Scheduler, requests: list[Request], check=None, runner=None,
+        max_steps=10_000):
+    """Add the requests, step until all finish; returns ({request_id: output token ids},
+    the SchedulerOutput of every step). Pass the same runner to keep its cache."""
+    runner = runner or FakeRunner(scheduler.kv.num_blocks, scheduler.block_size)
+    for r in requests:
+        scheduler.add_request(r)
+    steps = []
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        steps.append(out)
+        scheduler.update(out, runner.execute(out))
+        if check:
+            check(scheduler)
+        assert len(steps) < max_steps, "scheduler made no progress"
+    return {r.request_id: r.output_token_ids for r in requests}, steps
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int, **params) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
+
+
+def check_invariants(kv: KVCacheManager) -> None:
+    """design.md §5: free + used = total; ref_cnt == live block tables holding the block;
+    the free queue is exactly the unreferenced blocks; the hash map and the blocks agree."""
+    pool = kv.pool
+    holders = [0] * pool.num_blocks
+    for block_ids in kv.req_to_block_ids.values():
+        assert len(set(block_ids)) == len(block_ids), "a block appears twice in one table"
+        for b in block_ids:
+            holders[b] += 1
+    used = sum(1 for h in holders if h > 0)
+    assert used + pool.num_free_blocks == pool.num_blocks
+    for block in pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], block
+        assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue), block
+        if block.block_hash is not None:
+            assert pool.cached_blocks[block.block_hash] is block
+    assert all(b.block_hash == h for h, b in pool.cached_blocks.items())
