@@ -144,6 +144,8 @@ class SchedulerOutput:
     num_computed_tokens: list[int]     # tokens already in the cache before this step
     block_tables: list[list[int]]      # physical block ids of each request, logical order
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests finished or aborted since the last step: the worker drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -174,6 +176,7 @@ class Scheduler:
         self.running: list[Request] = []    # in admission order
         self.num_steps = 0
         self.num_preemptions_total = 0
+        self.finished_req_ids: set[str] = set()
 
     # -- admission -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -264,7 +267,9 @@ class Scheduler:
             num_scheduled_tokens=list(scheduled.values()),
             num_computed_tokens=[r.num_computed_tokens for r in requests],
             block_tables=[self.kv.req_to_block_ids[r.request_id] for r in requests],
-            preempted_req_ids=[r.request_id for r in preempted])
+            preempted_req_ids=[r.request_id for r in preempted],
+            finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
         # vLLM advances num_computed_tokens at schedule time: the tokens are as good as
         # computed once the forward runs, and the next schedule() must not count them again.
         for request, num_new in zip(requests, output.num_scheduled_tokens):
@@ -332,6 +337,7 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
         if self.tracer.enabled:
             self.tracer.emit("finish", req=request.request_id, reason=request.finish_reason,
                              prompt_len=request.num_prompt_tokens,

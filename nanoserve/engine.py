@@ -1,0 +1,193 @@
+"""engine.py: the engine core's step loop, and `LLM`, the offline entry point over it.
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM()                                     # the built-in nanoserve-tiny
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+
+`EngineCore.step()` is the whole loop of the design: schedule -> the worker runs the model
+and samples -> the scheduler appends tokens and checks stops. Every unfinished request
+simply stays in the scheduler for the next step. The core speaks token ids only; `LLM`
+(and the server's AsyncLLM) tokenize prompts and turn token ids back into text
+(output_processor.py). An n > 1 request becomes n child requests with the same prompt,
+which share the prompt's KV blocks through the prefix cache, as in vLLM V1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Optional, Sequence, Union
+
+from nanoserve.config import DEFAULT_MODEL, Config
+from nanoserve.kv_cache import KVCacheManager
+from nanoserve.output_processor import RequestOutput, RequestState
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduler import EngineCoreOutput, Request, Scheduler
+from nanoserve.trace import Tracer
+from nanoserve.worker import ModelRunner
+
+PromptType = Union[str, dict]
+
+
+class EngineCore:
+    """Scheduler + KV cache manager + model runner, stepped by whoever drives it."""
+
+    def __init__(self, config: Config):
+        self.tracer = Tracer.open(config.trace)
+        self.runner = ModelRunner(config)
+        self.config = config = self.runner.config        # resolved: fixed from here on
+        self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
+                                               config.enable_prefix_caching, self.tracer)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.tracer)
+        if self.tracer.enabled:
+            self.tracer.emit("config", **dataclasses.asdict(config))
+            self.tracer.flush()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
+        return [EngineCoreOutput(r.request_id, [], "abort")
+                for r in self.scheduler.abort(request_ids)]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.requests:
+            return []
+        sampled, logprobs = self.runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
+        if self.tracer.enabled:
+            self.tracer.emit("step_done", duration_s=round(time.perf_counter() - start, 6),
+                             sampled=sampled)
+            self.tracer.flush()
+        return outputs
+
+
+class Processor:
+    """Prompt + SamplingParams -> engine Requests (tokenize, validate, fan out n > 1)."""
+
+    def __init__(self, config: Config, tokenizer, runner: ModelRunner):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = runner.vocab_size
+        gen_eos = _generation_config_eos(runner.model_path)
+        self.eos_token_id = gen_eos[0] if gen_eos else tokenizer.eos_token_id
+        # Extra EOS ids (e.g. Llama 3's <|eot_id|>) stop generation unless ignore_eos.
+        self.extra_eos_ids = [t for t in gen_eos if t != self.eos_token_id]
+
+    def prompt_token_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError("prompt must be a string or {'prompt_token_ids': [...]} "
+                         f"(got {type(prompt).__name__})")
+
+    def make_requests(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, priority: int = 0) -> list[Request]:
+        """One Request per completion. Children of n > 1 get ids '{i}_{request_id}' and, when
+        seeded, seeds seed + i, so they differ yet reproduce (as in vLLM)."""
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs must be <= max_logprobs ({self.config.max_logprobs}) "
+                             f"(got {params.logprobs})")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}")
+        if self.extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(
+                params, stop_token_ids=params.stop_token_ids + self.extra_eos_ids)
+        if params.n == 1:
+            return [Request(request_id, prompt_token_ids, params, self.eos_token_id,
+                            priority=priority)]
+        return [Request(f"{i}_{request_id}", prompt_token_ids,
+                        dataclasses.replace(params, n=1, seed=None if params.seed is None
+                                            else params.seed + i),
+                        self.eos_token_id, priority=priority)
+                for i in range(params.n)]
+
+
+def _generation_config_eos(path) -> list[int]:
+    from transformers import GenerationConfig
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:    # no generation_config.json: the tokenizer's EOS alone
+        return []
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+def load_tokenizer(config: Config, runner: ModelRunner):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(config.tokenizer or runner.model_path)
+
+
+class LLM:
+    """Offline, synchronous generation: `LLM(model, **config_fields).generate(prompts, params)`."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        self.engine = EngineCore(Config(model=model, **kwargs))
+        self.config = self.engine.config
+        self.tokenizer = load_tokenizer(self.config, self.engine.runner)
+        self.processor = Processor(self.config, self.tokenizer, self.engine.runner)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 *, progress: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt "
+                             f"(got {len(sampling_params)} for {len(prompts)} prompts)")
+        # Validate everything before adding anything: a bad prompt must not leave the others
+        # half-added to the engine.
+        outputs, states, requests = [], {}, []
+        for prompt, params in zip(prompts, sampling_params):
+            text, ids = self.processor.prompt_token_ids(prompt)
+            self.engine.scheduler.check_fits(len(ids), params.max_tokens)
+            request_id = str(next(self._ids))
+            children = self.processor.make_requests(request_id, ids, params)
+            output = RequestOutput(request_id, text, ids, [])
+            for index, request in enumerate(children):
+                states[request.request_id] = (output, RequestState(
+                    request.request_id, index, ids, request.sampling_params, self.tokenizer))
+            outputs.append(output)
+            requests += children
+        for request in requests:
+            self.engine.add_request(request)
+        self._run(states, len(requests), progress)
+        for output in outputs:
+            output.outputs = [state.completion() for out, state in states.values() if out is output]
+            output.finished = True
+        return outputs
+
+    def _run(self, states: dict, total: int, progress: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[tps]:.1f} tok/s"), TimeElapsedColumn())
+        start, tokens, done = time.perf_counter(), 0, 0
+        with Progress(*columns, disable=not progress, transient=False) as bar:
+            task = bar.add_task("generate", total=total, tps=0.0)
+            while self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                stopped = []
+                for out in outputs:
+                    _, state = states[out.request_id]
+                    if state.process(out):
+                        stopped.append(out.request_id)
+                    done += state.finish_reason is not None
+                    tokens += len(out.new_token_ids)
+                self.engine.abort(stopped)
+                bar.update(task, completed=done, tps=tokens / (time.perf_counter() - start))

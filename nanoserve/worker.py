@@ -1,0 +1,246 @@
+"""worker.py: the ModelRunner, which turns one SchedulerOutput into sampled tokens.
+
+It owns everything with a tensor in it: the weights, the KV cache tensors, the flat
+batch inputs and the sampler. Once per step it builds ONE flat batch of every scheduled
+token (no padding, no batch dimension) plus the metadata that tells attention where each
+request's tokens live. Example, block_size 4, request A decodes its 10th token with block
+table [7, 1, 3], request B prefills a 3-token prompt into block [5]:
+
+    input_ids       [a9, b0, b1, b2]
+    positions       [9, 0, 1, 2]
+    slot_mapping    [13, 20, 21, 22]      block_table[p // 4] * 4 + p % 4
+    query_start_loc [0, 1, 4]             A's tokens are [0:1], B's [1:4]
+    seq_lens        [10, 3]
+    logits_indices  [0, 3]                the last token of each request that samples
+
+Only requests that reach the end of their known tokens sample; a prefill chunk that stops
+short of its prompt's end computes K/V and nothing else.
+
+Loading follows HF's format: config.json, *.safetensors (one file, or shards with
+model.safetensors.index.json) and tokenizer files, from a directory, the built-in
+`nanoserve-tiny`, or a hub id when the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from nanoserve.config import DEFAULT_MODEL, Config
+from nanoserve.models import get_model_class
+from nanoserve.paged_attention import AttentionMetadata
+from nanoserve.sampler import Sampler, SamplingMetadata
+from nanoserve.scheduler import SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_GB = 1.0     # the CPU default: room for ~45k tokens of nanoserve-tiny, fits a laptop
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory for `model`: the built-in one, a path, or a hub download."""
+    if model == DEFAULT_MODEL:
+        return Path(__file__).parent / "assets" / DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors",
+                                                             "tokenizer*", "*.model"]))
+    except Exception as e:  # offline, unknown id, gated repo...: all mean "cannot get it"
+        raise ValueError(f"model {model!r} is not a local directory and the Hugging Face hub "
+                         f"could not provide it ({type(e).__name__}: {e})") from None
+
+
+def iterate_weights(path: Path):
+    """(name, tensor) for every tensor of the checkpoint, shard by shard."""
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    for name in files:
+        with safe_open(path / name, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32    # CPUs without bf16 units are slow in half precision
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = DTYPES.get(checkpoint)
+    return checkpoint if checkpoint in DTYPES.values() else torch.bfloat16
+
+
+def kv_cache_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for_memory(memory_bytes: float, hf_config, dtype: torch.dtype, block_size: int) -> int:
+    """How many KV blocks fit in `memory_bytes`: the engine and `nanoserve memory` both use it."""
+    return int(memory_bytes // (kv_cache_bytes_per_token(hf_config, dtype) * block_size))
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        from transformers import AutoConfig
+        self.model_path = resolve_model_path(config.model)
+        self.hf_config = AutoConfig.from_pretrained(self.model_path)
+        device = config.device if config.device != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
+        self.model = self._load_model()
+        max_len = self.hf_config.max_position_embeddings
+        if getattr(self.model, "sliding_window", None):
+            # Paged attention attends to the whole sequence; past the window HF would not.
+            max_len = min(max_len, self.model.sliding_window)
+        self.vocab_size = self.hf_config.vocab_size
+        self.block_size = config.block_size
+        self.config = config.resolve(max_position_embeddings=max_len,
+                                     num_kv_blocks=self._num_kv_blocks(config))
+        needed = -(-self.config.max_model_len // self.block_size)
+        if needed > self.config.num_kv_blocks:
+            raise ValueError(
+                f"the KV cache holds {self.config.num_kv_blocks} blocks "
+                f"({self.config.num_kv_blocks * self.block_size} tokens), less than one sequence "
+                f"of max_model_len ({self.config.max_model_len}); lower max_model_len or raise "
+                f"num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization")
+        self.kv_caches = self._allocate_kv_caches(self.config.num_kv_blocks)
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.generators: dict[str, torch.Generator] = {}   # request id -> its seeded generator
+
+    def _load_model(self) -> torch.nn.Module:
+        model_class = get_model_class(self.hf_config)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)    # parameters are created in the target dtype
+        try:
+            with self.device:
+                model = model_class(self.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.load_weights(iterate_weights(self.model_path))
+        return model.eval()
+
+    def _num_kv_blocks(self, config: Config) -> int:
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory_gb is not None or self.device.type != "cuda":
+            memory = (config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30
+        else:
+            memory = self._profile_free_cuda_memory(config)
+        return num_blocks_for_memory(memory, self.hf_config, self.dtype, config.block_size)
+
+    @torch.inference_mode()
+    def _profile_free_cuda_memory(self, config: Config) -> float:
+        """usable = total x gpu_memory_utilization - weights - peak activations, where the peak
+        is measured on a forward of max_num_batched_tokens tokens with a 1-block cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        n = config.max_num_batched_tokens
+        caches = self._allocate_kv_caches(-(-n // config.block_size))
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device),
+            block_tables=torch.arange(-(-n // config.block_size), dtype=torch.int32,
+                                      device=self.device)[None],
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            max_query_len=n, max_seq_len=n)
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                            torch.arange(n, device=self.device), caches, meta)
+        self.model.compute_logits(hidden[-config.max_num_seqs:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - weights
+        del caches, hidden
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        usable = total * config.gpu_memory_utilization - weights - peak
+        if usable <= 0:
+            raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x "
+                             f"gpu_memory_utilization {config.gpu_memory_utilization} - weights "
+                             f"{weights / 2**30:.2f} GiB - activations {peak / 2**30:.2f} GiB")
+        return usable
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (num_blocks, self.block_size,
+                 getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(cfg.num_hidden_layers)]
+
+    # -- one step --------------------------------------------------------------
+    def prepare_inputs(self, out: SchedulerOutput):
+        """The flat batch: (input_ids, positions, AttentionMetadata, logits_indices, rows that
+        sample). See the module docstring for a worked example."""
+        input_ids: list[int] = []
+        for req, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens):
+            input_ids += req.all_token_ids[c:c + n]
+        num_scheduled = torch.tensor(out.num_scheduled_tokens)
+        num_computed = torch.tensor(out.num_computed_tokens)
+        seq_lens = num_computed + num_scheduled
+        query_start_loc = torch.zeros(len(out.requests) + 1, dtype=torch.long)
+        torch.cumsum(num_scheduled, 0, out=query_start_loc[1:])
+        # Token t of request r sits at position num_computed[r] + (t - query_start_loc[r]).
+        req_of_token = torch.repeat_interleave(torch.arange(len(out.requests)), num_scheduled)
+        positions = torch.arange(len(input_ids)) - (query_start_loc[:-1] - num_computed)[req_of_token]
+        max_blocks = max(len(bt) for bt in out.block_tables)
+        block_tables = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in out.block_tables],
+                                    dtype=torch.int32)
+        slot_mapping = (block_tables[req_of_token, positions // self.block_size].long()
+                        * self.block_size + positions % self.block_size)
+        samples = [c + n == req.num_tokens for req, n, c in
+                   zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)]
+        logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
+        to = dict(device=self.device, non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(**to), block_tables=block_tables.to(**to),
+            seq_lens=seq_lens.to(dtype=torch.int32, **to),
+            query_start_loc=query_start_loc.to(dtype=torch.int32, **to),
+            max_query_len=max(out.num_scheduled_tokens), max_seq_len=int(seq_lens.max()))
+        return (torch.tensor(input_ids, device=self.device), positions.to(**to), meta,
+                logits_indices.to(**to), [r for r, s in zip(out.requests, samples) if s])
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, object]]:
+        """Run one step. Returns ({request id: sampled token}, {request id: TokenLogprobs})."""
+        for request_id in out.finished_req_ids:
+            self.generators.pop(request_id, None)
+        input_ids, positions, meta, logits_indices, sampling = self.prepare_inputs(out)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sampling:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[logits_indices])
+        metadata = SamplingMetadata.from_requests(
+            [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
+            [r.output_token_ids for r in sampling], [self._generator(r) for r in sampling],
+            eos_token_id=sampling[0].eos_token_id, vocab_size=self.vocab_size, device=self.device)
+        result = self.sampler(logits, metadata)
+        ids = [r.request_id for r in sampling]
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        return dict(zip(ids, result.sampled_token_ids.tolist())), logprobs
+
+    def _generator(self, request) -> Optional[torch.Generator]:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        if request.request_id not in self.generators:
+            self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
+        return self.generators[request.request_id]

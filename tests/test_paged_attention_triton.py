@@ -1,0 +1,195 @@
+"""Oracle tests for the Triton kernels in nanoserve/paged_attention_triton.py.
+
+Runs on CPU through the Triton interpreter (no GPU needed):
+    pytest -q tests/test_paged_attention_triton.py
+On a GPU machine, TRITON_INTERPRET=0 runs the same tests against the compiled kernels on CUDA.
+
+The oracle is dense causal SDPA per request over the request's full K/V sequence, built straight from the
+random per-request tensors, never read back from the paged cache. Cache slots no request owns are filled
+with NaN, so a kernel that reads a wrong slot (or one past the end of a sequence) fails loudly.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before triton is imported
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import nanoserve.paged_attention_triton as pat  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+# triton.jit picks interpreter or compiler when the module is imported; if another test imported it
+# first in the other mode, re-import it in ours.
+if isinstance(pat._store_kv_kernel, InterpretedFunction) != INTERPRET:
+    pat = importlib.reload(pat)
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Metadata:  # the fields of nanoserve.paged_attention.AttentionMetadata the kernel reads
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def make_batch(query_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Random per-request Q/K/V, scattered into a paged cache over shuffled (non-contiguous) blocks."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 2  # spare blocks that belong to nobody
+    physical = torch.randperm(num_blocks, generator=g).tolist()
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    # One padding column beyond the longest table, as the worker pads rows with 0.
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_req) + 1, dtype=torch.int32)
+    queries, ks, vs, slot_mapping = [], [], [], []
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens)):
+        table = [physical.pop() for _ in range(blocks_per_req[i])]
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        k = torch.randn(s_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(s_len, num_kv_heads, head_dim, generator=g).to(dtype)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(s_len)])
+        k_cache.view(-1, num_kv_heads, head_dim)[slots] = k
+        v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
+        queries.append(torch.randn(q_len, num_q_heads, head_dim, generator=g).to(dtype))
+        ks.append(k)
+        vs.append(v)
+        slot_mapping.append(slots[s_len - q_len:])
+    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    md = Metadata(torch.cat(slot_mapping).to(DEVICE), block_tables.to(DEVICE),
+                  torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl.to(DEVICE),
+                  max(query_lens), max(seq_lens))
+    return torch.cat(queries).to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), md, queries, ks, vs
+
+
+def dense_attention(queries, ks, vs, scale):
+    """Per request: causal SDPA in float32, query j at position seq_len - query_len + j."""
+    outs = []
+    for q, k, v in zip(queries, ks, vs):
+        q_len, s_len, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # q head h -> kv head h // group
+        mask = torch.arange(s_len)[None, :] <= torch.arange(s_len - q_len, s_len)[:, None]
+        o = F.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
+                                           v.float().transpose(0, 1), attn_mask=mask, scale=scale)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+CASES = {  # name: (query_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size)
+    "prefill": ([5, 9], [5, 9], 2, 2, 32, 16),
+    "prefill_cached_prefix": ([4, 7], [20, 39], 2, 2, 32, 16),
+    "decode": ([1, 1, 1], [1, 17, 40], 2, 2, 64, 16),
+    "mixed": ([3, 1, 12, 1], [19, 33, 12, 5], 4, 2, 32, 16),
+    "gqa_4_to_1_multi_q_tile": ([37, 1], [50, 9], 4, 1, 32, 16),  # BLOCK_Q = 16: three q tiles
+    "gqa_group_3": ([6, 1], [6, 30], 6, 2, 32, 8),  # group not a power of two: padded rows
+    "head_dim_128_block_32": ([3, 1], [40, 70], 2, 1, 128, 32),
+    "head_dim_48_block_4": ([5, 1], [13, 6], 2, 2, 48, 4),  # head_dim not a power of two: masked lanes
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_matches_dense(case):
+    query_lens, seq_lens, hq, hkv, d, bs = CASES[case]
+    query, k_cache, v_cache, md, queries, ks, vs = make_batch(query_lens, seq_lens, hq, hkv, d, bs, torch.float32)
+    out = pat.paged_attention_triton(query, k_cache, v_cache, md, d**-0.5)
+    torch.testing.assert_close(out.cpu(), dense_attention(queries, ks, vs, d**-0.5), atol=1e-4, rtol=1e-4)
+
+
+# The interpreter keeps bfloat16 as raw uint16 bits and its tl.dot multiplies those bits (triton-lang/triton
+# #11584: bf16 math is unsupported there), so bf16 attention is checked on GPUs only (TRITON_INTERPRET=0).
+BF16_ON_GPU_ONLY = pytest.mark.skipif(INTERPRET, reason="Triton interpreter has no bfloat16 tl.dot")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=BF16_ON_GPU_ONLY)])
+def test_attention_half_precision(dtype):
+    query, k_cache, v_cache, md, queries, ks, vs = make_batch([6, 1], [22, 17], 4, 2, 64, 16, dtype, seed=1)
+    out = pat.paged_attention_triton(query, k_cache, v_cache, md, 0.125)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().float(), dense_attention(queries, ks, vs, 0.125),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_attention_non_contiguous_query():
+    # In the model, q is a slice of the fused qkv projection: its token stride is not num_heads * head_dim.
+    query, k_cache, v_cache, md, queries, ks, vs = make_batch([4, 1], [10, 21], 2, 1, 32, 16, torch.float32)
+    fused = torch.cat([query, torch.full_like(query, float("nan"))], dim=1)
+    out = pat.paged_attention_triton(fused[:, :2], k_cache, v_cache, md, 0.2)
+    torch.testing.assert_close(out.cpu(), dense_attention(queries, ks, vs, 0.2), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_after_prefill_through_store_kv():
+    """The engine's order: store_kv this step's K/V, then attend (prefill step, then one decode step)."""
+    hkv, d, bs, prompt = 2, 32, 4, 7
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.full((6, bs, hkv, d), float("nan"), device=DEVICE)
+    v_cache = k_cache.clone()
+    table = torch.tensor([[4, 0, 2]], dtype=torch.int32, device=DEVICE)  # positions 0..8 -> blocks 4, 0, 2
+    k, v, q = (torch.randn(prompt + 1, hkv * (1 + (i == 2)), d, generator=g) for i in range(3))
+    for start, end in ((0, prompt), (prompt, prompt + 1)):
+        slots = torch.tensor([table[0, p // bs].item() * bs + p % bs for p in range(start, end)], device=DEVICE)
+        pat.store_kv_triton(k[start:end].to(DEVICE), v[start:end].to(DEVICE), k_cache, v_cache, slots)
+        qsl = torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE)
+        md = Metadata(slots, table, torch.tensor([end], dtype=torch.int32, device=DEVICE), qsl, end - start, end)
+        out = pat.paged_attention_triton(q[start:end].to(DEVICE), k_cache, v_cache, md, 0.3)
+        expected = dense_attention([q[start:end]], [k[:end]], [v[:end]], 0.3)
+        torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_places_tokens_at_their_slots(dtype):
+    num_blocks, bs, hkv, d = 5, 4, 3, 16  # 3 kv heads: a non-power-of-two head count, masked lanes
+    g = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype).to(DEVICE)
+    # Non-contiguous key/value: slices of a fused projection, like the model hands them over.
+    fused = torch.randn(6, 3 * hkv, d, generator=g).to(dtype).to(DEVICE)
+    key, value = fused[:, hkv: 2 * hkv], fused[:, 2 * hkv:]
+    slot_mapping = torch.tensor([13, 0, -1, 19, 6, -1], device=DEVICE)  # -1: padding, stored nowhere
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slot_mapping >= 0
+    expected_k.view(-1, hkv, d)[slot_mapping[keep]] = key[keep]
+    expected_v.view(-1, hkv, d)[slot_mapping[keep]] = value[keep]
+    pat.store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    # Sanity of the expectation itself: slot 13 is block 3, offset 1.
+    assert torch.equal(k_cache[3, 1], key[0])
+
+
+def test_bad_input_names_the_field():
+    query, k_cache, v_cache, md, *_ = make_batch([2], [5], 3, 2, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="num_q_heads"):
+        pat.paged_attention_triton(query, k_cache, v_cache, md, 1.0)
+    query, k_cache, v_cache, md, *_ = make_batch([2], [5], 2, 2, 16, 4, torch.float32)
+    md.seq_lens = md.seq_lens.long()
+    with pytest.raises(ValueError, match="seq_lens"):
+        pat.paged_attention_triton(query, k_cache, v_cache, md, 1.0)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pat.store_kv_triton(query, query, k_cache, v_cache, md.slot_mapping.int())
+    with pytest.raises(ValueError, match="v_cache"):
+        pat.store_kv_triton(query, query, k_cache, v_cache.half(), md.slot_mapping)
+
+
+def test_matches_torch_reference():
+    ref = pytest.importorskip("nanoserve.paged_attention")
+    query, k_cache, v_cache, md, *_ = make_batch([3, 1, 9], [11, 26, 9], 4, 2, 32, 16, torch.float32, seed=4)
+    ref_md = ref.AttentionMetadata(md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc,
+                                   md.max_query_len, md.max_seq_len)
+    expected = ref.paged_attention_torch(query, k_cache, v_cache, ref_md, 0.25)
+    out = pat.paged_attention_triton(query, k_cache, v_cache, ref_md, 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
