@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.kv_cache import KVCacheManager
@@ -173,21 +173,38 @@ class LLM:
             output.finished = True
         return outputs
 
+    def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None
+               ) -> Iterator[str]:
+        """Generate for one prompt (n = 1), yielding text as it is produced."""
+        params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"n must be 1 when streaming (got {params.n})")
+        _, ids = self.processor.prompt_token_ids(prompt)
+        (request,) = self.processor.make_requests(str(next(self._ids)), ids, params)
+        state = RequestState(request.request_id, 0, ids, request.sampling_params, self.tokenizer)
+        self.engine.add_request(request)
+        for _ in self._steps({request.request_id: (None, state)}):
+            delta = state.new_text()
+            if delta:
+                yield delta
+
+    def _steps(self, states: dict) -> Iterator[list]:
+        """Step the engine until it is idle, feeding each output to its RequestState and
+        aborting the requests a stop string ended; yields each step's outputs."""
+        while self.engine.has_unfinished_requests():
+            outputs = self.engine.step()
+            self.engine.abort([o.request_id for o in outputs
+                               if states[o.request_id][1].process(o)])
+            yield outputs
+
     def _run(self, states: dict, total: int, progress: bool) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[tps]:.1f} tok/s"), TimeElapsedColumn())
         start, tokens, done = time.perf_counter(), 0, 0
-        with Progress(*columns, disable=not progress, transient=False) as bar:
+        with Progress(*columns, disable=not progress) as bar:
             task = bar.add_task("generate", total=total, tps=0.0)
-            while self.engine.has_unfinished_requests():
-                outputs = self.engine.step()
-                stopped = []
-                for out in outputs:
-                    _, state = states[out.request_id]
-                    if state.process(out):
-                        stopped.append(out.request_id)
-                    done += state.finish_reason is not None
-                    tokens += len(out.new_token_ids)
-                self.engine.abort(stopped)
+            for outputs in self._steps(states):
+                done += sum(states[o.request_id][1].finish_reason is not None for o in outputs)
+                tokens += sum(len(o.new_token_ids) for o in outputs)
                 bar.update(task, completed=done, tps=tokens / (time.perf_counter() - start))
