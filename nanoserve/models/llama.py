@@ -1,0 +1,280 @@
+"""llama.py: one implementation of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM).
+
+These models differ only in a few switches, all read from the HF config:
+
+    Llama / SmolLM   the base: RMSNorm, RoPE, GQA, SwiGLU MLP; Llama 3 adds rope_type "llama3"
+    Mistral          the same modules (sliding window aside: see `sliding_window` below)
+    Qwen2            q/k/v projections carry a bias (the architecture's, not a config switch)
+    Qwen3            RMSNorm over each head of q and k before RoPE; head_dim from the config
+    any              tie_word_embeddings: lm_head reuses the embedding matrix
+
+The input is ONE flat batch of every token scheduled this step (no batch dim, no padding), with
+`positions` for RoPE and an `AttentionMetadata` that says where each token's K/V goes and what it
+attends to (see paged_attention.py). For speed q/k/v is one Linear and gate/up is one Linear;
+`load_weights` takes HF checkpoint names and fills the fused matrices:
+
+    model.layers.0.self_attn.k_proj.weight  ->  rows [q_size, q_size + kv_size) of qkv_proj.weight
+    model.layers.0.mlp.up_proj.weight       ->  rows [intermediate, 2 * intermediate) of gate_up_proj
+
+Run the oracle tests (logits == HF transformers, prefill, chunked prefill and decode):
+    pytest -q tests/test_models.py
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 (bf16 squares lose too much), scale in the model dtype, as HF does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def head_dim_of(cfg) -> int:
+    # Qwen3 sets head_dim explicitly (and num_heads * head_dim may differ from hidden_size).
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def rope_parameters(hf_config) -> dict:
+    """The RoPE settings as one dict with `rope_theta` and `rope_type`, whichever transformers
+    wrote the config: 5.x keeps them all in `rope_parameters`; 4.x has `rope_theta` plus an
+    optional `rope_scaling` dict (whose type key was once spelled `type`)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    params = dict(params)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(head_dim: int, params: dict) -> Tensor:
+    """Inverse frequency of each rotated pair, [head_dim // 2], float32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":  # positions divided by factor == frequencies divided by factor
+        return inv_freq / params["factor"]
+    if rope_type == "llama3":
+        # Llama 3.1 stretches the context by slowing only the low frequencies: wavelengths longer
+        # than original_len / low_freq_factor are divided by `factor`, shorter than
+        # original_len / high_freq_factor are kept, and the band between is interpolated.
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        original_len = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original_len / wavelen - low) / (high - low)
+        interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        scaled = torch.where(wavelen > original_len / low, inv_freq / factor, inv_freq)
+        is_medium = (wavelen <= original_len / low) & (wavelen >= original_len / high)
+        return torch.where(is_medium, interpolated, scaled)
+    raise ValueError(
+        f"rope_type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3')"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE by table lookup: cos/sin for every position up to max_position_embeddings are
+    computed once, so a step only indexes them with its (arbitrary, per-token) positions, once
+    for all layers."""
+
+    def __init__(self, head_dim: int, max_position: int, params: dict):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, params)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # Not persistent: derived from the config, never part of a checkpoint.
+        self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_position, head_dim // 2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin for `positions` [num_tokens] -> each [num_tokens, 1, head_dim // 2]."""
+        return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
+
+
+def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotate x [num_tokens, heads, head_dim]; HF's layout pairs dim i with dim i + head_dim / 2."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        # Qwen2 always has q/k/v biases and no o_proj bias; its config has no switch for it.
+        # Llama and Qwen3 read `attention_bias`, which covers all four projections.
+        if cfg.model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        else:
+            qkv_bias = o_bias = getattr(cfg, "attention_bias", False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qk_norm = cfg.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, rope, hidden, kv_cache: tuple[Tensor, Tensor], attn_metadata) -> Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        k_cache, v_cache = kv_cache
+        store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
+        return self.o_proj(out.view(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama family uses 'silu')")
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, rope, hidden, kv_cache, attn_metadata) -> Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config):
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # HF masks attention beyond `sliding_window` tokens back (Mistral v0.1, Qwen with
+        # use_sliding_window); paged attention does not, so outputs are exact only for sequences
+        # up to this length. The worker caps max_model_len with it; None means no window.
+        layer_types = getattr(hf_config, "layer_types", None)
+        sliding = layer_types is None or "sliding_attention" in layer_types
+        self.sliding_window: int | None = getattr(hf_config, "sliding_window", None) if sliding else None
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden_size]."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(
+                f"kv_caches has {len(kv_caches)} entries, the model {len(self.model.layers)} layers"
+            )
+        hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(rope, hidden, kv_cache, attn_metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [n, hidden_size] (only the rows to sample) -> logits [n, vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+    def _checkpoint_targets(self) -> dict[str, tuple[Tensor, slice]]:
+        """Every HF checkpoint name this model needs -> (our parameter, its rows for that weight)."""
+        params = dict(self.named_parameters())  # a tied lm_head is listed once, as embed_tokens
+        targets = {name: (p, slice(None)) for name, p in params.items()}
+        attn = self.model.layers[0].self_attn
+        q, kv, mlp = attn.q_size, attn.kv_size, self.config.intermediate_size
+        fused = {  # our fused module -> the HF modules stacked in it, in row order, with their rows
+            "self_attn.qkv_proj": [
+                ("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)
+            ],
+            "mlp.gate_up_proj": [("mlp.gate_proj", mlp), ("mlp.up_proj", mlp)],
+        }
+        for i in range(len(self.model.layers)):
+            for ours, parts in fused.items():
+                for kind in ("weight", "bias"):
+                    name = f"model.layers.{i}.{ours}.{kind}"
+                    if name not in targets:  # a projection without bias
+                        continue
+                    param, _ = targets.pop(name)
+                    start = 0
+                    for hf_module, num_rows in parts:
+                        hf_name = f"model.layers.{i}.{hf_module}.{kind}"
+                        targets[hf_name] = (param, slice(start, start + num_rows))
+                        start += num_rows
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Fill every parameter from (HF name, tensor) pairs, e.g. a safetensors file's items.
+
+        Rotary `inv_freq` buffers (old checkpoints) are skipped, as is `lm_head.weight` when it is
+        tied to the embedding. A name we do not know, a shape that does not match, or a weight
+        the checkpoint lacks raises ValueError naming the weight.
+        """
+        targets = self._checkpoint_targets()
+        missing = set(targets)
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            if name not in targets:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint for {type(self).__name__}")
+            param, rows = targets[name]
+            dest = param.data[rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")

@@ -1,0 +1,200 @@
+"""paged_attention.py: the paged KV cache layout, writing K/V into it, and attention over it.
+
+Every layer owns two cache tensors, K and V, each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+A request does not own contiguous memory: its block table maps its logical block i to a physical
+block id, and token position p lives in physical slot
+
+    slot = block_table[p // block_size] * block_size + p % block_size
+
+Worked example: block_table [7, 1, 3], block_size 4, position 9 -> logical block 2 -> physical
+block 3, offset 1 -> slot 3 * 4 + 1 = 13, i.e. k_cache[3, 1].
+
+One step runs ONE flat batch that mixes every kind of request (vLLM V1 has no prefill/decode
+phases). Request i brings query_len_i new tokens and has seq_len_i tokens in the cache once they
+are stored, so its new token j sits at position seq_len_i - query_len_i + j and attends to every
+position up to and including its own:
+
+    prefill          no cached prefix,   query_len == seq_len
+    chunked prefill  cached prefix,      1 < query_len < seq_len (also a prefix-cache hit)
+    decode           cached prefix,      query_len == 1
+
+The model calls `store_kv` for the whole flat batch first and `paged_attention` second, so the new
+tokens are read back through the cache like any other: one code path for all three cases.
+
+`store_kv` / `paged_attention` dispatch on the device: CUDA tensors go to the Triton kernels in
+paged_attention_triton.py (imported lazily, so CPU never needs Triton), everything else to the
+torch versions below, which are also the reference the kernels are tested against.
+
+Run the oracle tests (paged attention == dense scaled_dot_product_attention):
+    pytest -q tests/test_paged_attention.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go and what they attend to; built by the worker once per step
+    and passed explicitly to every layer (no global context).
+
+    Example, block_size 4: request 0 decodes its 10th token, request 1 prefills 3 prompt tokens.
+        slot_mapping    [13, 20, 21, 22]       (position 9 of block table [7, 1, 3]; block 5)
+        block_tables    [[7, 1, 3], [5, 0, 0]] (rows padded with 0)
+        seq_lens        [10, 3]
+        query_start_loc [0, 1, 4]
+        max_query_len 3, max_seq_len 10
+    """
+
+    slot_mapping: Tensor  # [num_tokens] int64: cache slot of each new token
+    block_tables: Tensor  # [num_reqs, max_blocks_per_req] int32, rows padded with 0
+    seq_lens: Tensor  # [num_reqs] int32: tokens in the cache per request after this step
+    query_start_loc: Tensor  # [num_reqs + 1] int32: request i's tokens are query[qsl[i]:qsl[i+1]]
+    max_query_len: int
+    max_seq_len: int
+
+    def __post_init__(self):
+        # Shape checks only: they cost nothing and need no device sync, unlike value checks.
+        num_reqs = self.seq_lens.shape[0]
+        if self.slot_mapping.dim() != 1 or self.slot_mapping.dtype != torch.int64:
+            raise ValueError(
+                f"slot_mapping must be 1-D int64, got shape {tuple(self.slot_mapping.shape)} "
+                f"dtype {self.slot_mapping.dtype}"
+            )
+        if self.seq_lens.dim() != 1:
+            raise ValueError(f"seq_lens must be 1-D, got shape {tuple(self.seq_lens.shape)}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != num_reqs:
+            raise ValueError(
+                f"block_tables must be [num_reqs={num_reqs}, max_blocks_per_req], "
+                f"got shape {tuple(self.block_tables.shape)}"
+            )
+        if tuple(self.query_start_loc.shape) != (num_reqs + 1,):
+            raise ValueError(
+                f"query_start_loc must have num_reqs + 1 = {num_reqs + 1} entries, "
+                f"got shape {tuple(self.query_start_loc.shape)}"
+            )
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+# ----------------------------------------------------------------------------- torch (CPU + reference)
+
+
+def store_kv_torch(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into slots `slot_mapping` of the caches."""
+    # Viewing [num_blocks, block_size, kv_heads, dim] as [num_slots, kv_heads * dim] makes a slot
+    # a plain row index (and the copy a row memcpy).
+    row = k_cache.shape[2] * k_cache.shape[3]
+    k_cache.view(-1, row).index_copy_(0, slot_mapping, key.reshape(-1, row))
+    v_cache.view(-1, row).index_copy_(0, slot_mapping, value.reshape(-1, row))
+
+
+def _gather_kv(cache: Tensor, block_tables: Tensor, seq_len: int) -> Tensor:
+    """The first seq_len cached tokens of every request in `block_tables` [R, max_blocks]
+    -> [R, seq_len, kv_heads, head_dim]. Copies whole blocks (contiguous memory), then trims."""
+    num_blocks, block_size = -(-seq_len // cache.shape[1]), cache.shape[1]
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()
+    # index_select over 2-D rows is a plain row memcpy; on the 4-D cache it is ~4x slower on CPU.
+    rows = cache.view(cache.shape[0], -1).index_select(0, blocks)
+    return rows.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :seq_len]
+
+
+def _decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale) -> Tensor:
+    """All single-token rows at once: query [R, q_heads, dim], one row per request -> same shape.
+
+    Keys are gathered up to the longest of these sequences and the tail of shorter ones masked,
+    so the cost is one batched SDPA instead of a Python loop over requests.
+    """
+    max_len = int(seq_lens.max())
+    k = _gather_kv(k_cache, block_tables, max_len).transpose(1, 2)  # [R, kv_heads, L, dim]
+    v = _gather_kv(v_cache, block_tables, max_len).transpose(1, 2)
+    positions = torch.arange(max_len, device=query.device)
+    valid = (positions[None, :] < seq_lens[:, None])[:, None, None, :]  # [R, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), k, v, attn_mask=valid, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def _prefill_attention(query, k_cache, v_cache, block_table, seq_len: int, scale) -> Tensor:
+    """One request's query_len > 1 rows: query [Q, q_heads, dim] over its seq_len cached tokens."""
+    query_len = query.shape[0]
+    num_computed = seq_len - query_len  # cached prefix before this step's tokens
+    # 4-D [1, heads, len, dim] on purpose: SDPA sends 3-D inputs to its slow math kernel on CPU.
+    k = _gather_kv(k_cache, block_table[None], seq_len).transpose(1, 2)  # [1, kv_heads, S, dim]
+    v = _gather_kv(v_cache, block_table[None], seq_len).transpose(1, 2)
+    q = query[None].transpose(1, 2)  # [1, q_heads, Q, dim]
+    if num_computed == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # SDPA's is_causal aligns the top-left corner; with a prefix, query j sits at position
+        # num_computed + j, so the causal edge is shifted right by num_computed.
+        k_pos = torch.arange(seq_len, device=query.device)
+        q_pos = k_pos[num_computed:]
+        mask = k_pos[None, :] <= q_pos[:, None]  # [Q, S]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention_torch(
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, attn_metadata: AttentionMetadata, scale: float
+) -> Tensor:
+    """Causal attention of query `[num_tokens, q_heads, head_dim]` over the paged cache -> same shape.
+
+    Decode rows (query_len 1) are batched into one call; each longer request gets its own SDPA.
+    """
+    md = attn_metadata
+    out = torch.empty_like(query)
+    qsl = md.query_start_loc.long()
+    query_lens = qsl[1:] - qsl[:-1]
+    seq_lens = md.seq_lens.long()
+
+    is_decode = query_lens == 1
+    decode_reqs = is_decode.nonzero().squeeze(1)
+    if decode_reqs.numel() > 0:
+        rows = qsl[decode_reqs]
+        out[rows] = _decode_attention(
+            query[rows], k_cache, v_cache, md.block_tables[decode_reqs], seq_lens[decode_reqs], scale
+        )
+    prefill_reqs = (~is_decode).nonzero().squeeze(1).tolist()
+    if prefill_reqs:
+        qsl_list, seq_lens_list = qsl.tolist(), seq_lens.tolist()  # one sync for all of them
+        for i in prefill_reqs:
+            start, end = qsl_list[i], qsl_list[i + 1]
+            out[start:end] = _prefill_attention(
+                query[start:end], k_cache, v_cache, md.block_tables[i], seq_lens_list[i], scale
+            )
+    return out
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write this step's key/value `[num_tokens, num_kv_heads, head_dim]` into the paged caches."""
+    if key.is_cuda:
+        from nanoserve.paged_attention_triton import store_kv_triton
+
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, attn_metadata: AttentionMetadata, scale: float
+) -> Tensor:
+    """Attention of this step's queries over the paged cache (run `store_kv` first)."""
+    if query.is_cuda:
+        from nanoserve.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(query, k_cache, v_cache, attn_metadata, scale)
+    return paged_attention_torch(query, k_cache, v_cache, attn_metadata, scale)

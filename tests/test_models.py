@@ -1,0 +1,179 @@
+"""Oracle tests for models/: our Llama-family modules == HF transformers, logit for logit.
+
+Each case builds a tiny random HF model in-process (float32, 2 layers), loads its state_dict into
+ours through `load_weights`, and runs the same token sequences through both: HF as one plain
+forward per sequence, ours through the paged cache in steps that split the sequences the way
+the scheduler would (whole prefill, prefill in chunks, decodes batched with another prefill).
+Every position's logits must agree.
+
+    pytest -q tests/test_models.py
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from nanoserve.models import LlamaForCausalLM, get_model_class
+from nanoserve.models.llama import head_dim_of, rope_parameters
+from nanoserve.paged_attention import AttentionMetadata
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=32)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY, tie_word_embeddings=False),
+    # head_dim 16, original context 32: one frequency kept, two interpolated, the rest divided.
+    "llama3-rope-tied": lambda: LlamaConfig(**TINY, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
+    "llama-linear-rope-bias": lambda: LlamaConfig(
+        **TINY, attention_bias=True, mlp_bias=True,
+        rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=2.0)),
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
+    "qwen2-tied": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
+    "qwen3-head-dim": lambda: Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=False),
+}
+ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def make_models(name):
+    cfg = CONFIGS[name]()
+    cfg.architectures = [ARCH[cfg.model_type]]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # HF's init leaves norms at 1 and biases at 0: randomise everything so a weight that loads
+    # into the wrong place (or not at all) changes the logits.
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in pname else 0.0))
+    model = get_model_class(cfg)(cfg).eval()
+    model.load_weights(hf.state_dict().items())
+    return hf, model, cfg
+
+
+class PagedRunner:
+    """A minimal worker: scattered blocks per request, flat batches, AttentionMetadata."""
+
+    def __init__(self, model, cfg, num_blocks=48, block_size=4):
+        self.model, self.block_size = model, block_size
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim_of(cfg))
+        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
+        self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
+        self.block_tables: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+
+    @torch.no_grad()
+    def step(self, seqs: dict[str, list[int]], scheduled: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Run `scheduled[req]` new tokens of each request; return each one's logits [n, vocab]."""
+        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        for req, n in scheduled.items():
+            start = self.num_computed.get(req, 0)
+            table = self.block_tables.setdefault(req, [])
+            while len(table) * self.block_size < start + n:
+                table.append(self.free_blocks.pop())
+            for pos in range(start, start + n):
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            input_ids += seqs[req][start:start + n]
+            positions += range(start, start + n)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            self.num_computed[req] = start + n
+        tables = [self.block_tables[r] for r in scheduled]
+        width = max(len(t) for t in tables)
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            max_query_len=max(scheduled.values()),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, md)
+        logits = self.model.compute_logits(hidden)
+        assert logits.dtype == torch.float32
+        return {req: logits[qsl[i]:qsl[i + 1]] for i, req in enumerate(scheduled)}
+
+
+SCHEDULES = {
+    "prefill": [{"a": 13}],
+    "chunked-prefill": [{"a": 6}, {"a": 7}],  # the prefix is read back from the cache
+    # a decodes while b prefills in chunks beside it and c arrives: one flat batch per step
+    "decode-with-prefill": [{"a": 9}, {"a": 1, "b": 6}, {"a": 1, "b": 5}, {"a": 1, "b": 1, "c": 4},
+                            {"a": 1, "b": 1, "c": 1}],
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_match_hf(name, schedule):
+    hf, model, cfg = make_models(name)
+    steps = SCHEDULES[schedule]
+    gen = torch.Generator().manual_seed(2)
+    lengths = {req: sum(s.get(req, 0) for s in steps) for req in steps[0] | steps[-1]}
+    seqs = {req: torch.randint(cfg.vocab_size, (n,), generator=gen).tolist() for req, n in lengths.items()}
+
+    runner = PagedRunner(model, cfg)
+    ours: dict[str, list[torch.Tensor]] = {req: [] for req in seqs}
+    for scheduled in steps:
+        for req, logits in runner.step(seqs, scheduled).items():
+            ours[req].append(logits)
+
+    for req, tokens in seqs.items():
+        with torch.no_grad():
+            expected = hf(input_ids=torch.tensor([tokens])).logits[0]
+        torch.testing.assert_close(torch.cat(ours[req]), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_load_weights_errors_name_the_weight():
+    hf, model, cfg = make_models("qwen2-tied")
+    weights = dict(hf.state_dict())
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # old checkpoints: ignored
+    model.load_weights(weights.items())
+
+    without = {k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.self_attn\.k_proj\.bias"):
+        model.load_weights(without.items())
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.9.mlp.up_proj.weight'"):
+        model.load_weights([*weights.items(), ("model.layers.9.mlp.up_proj.weight", torch.ones(1))])
+    bad_shape = {**weights, "model.norm.weight": torch.ones(3)}
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        model.load_weights(bad_shape.items())
+
+
+def test_tied_lm_head_shares_the_embedding():
+    _, tied, _ = make_models("qwen2-tied")
+    _, untied, _ = make_models("llama")
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+
+
+def test_sliding_window_is_reported():
+    assert LlamaForCausalLM(MistralConfig(**TINY, sliding_window=64)).sliding_window == 64
+    assert LlamaForCausalLM(LlamaConfig(**TINY)).sliding_window is None
+    assert LlamaForCausalLM(Qwen2Config(**TINY, sliding_window=64)).sliding_window is None  # off by default
+
+
+def test_unknown_architecture_lists_supported():
+    cfg = LlamaConfig(**TINY, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
+        get_model_class(cfg)
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in str(err.value)
+
+
+def test_unsupported_rope_type():
+    cfg = LlamaConfig(**TINY, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        LlamaForCausalLM(cfg)
+
+
+def test_rope_parameters_from_transformers_4_configs():
+    # transformers 4 kept rope_theta beside an optional rope_scaling dict (type key once `type`).
+    old = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
+    assert rope_parameters(old) == {"rope_theta": 5e5, "type": "linear", "factor": 2.0, "rope_type": "linear"}
+    plain = SimpleNamespace(rope_theta=1e6, rope_scaling=None)
+    assert rope_parameters(plain) == {"rope_theta": 1e6, "rope_type": "default"}
+    assert rope_parameters(LlamaConfig(**TINY, rope_theta=1e6))["rope_theta"] == 1e6  # transformers 5
