@@ -13,6 +13,7 @@ _EXPORTS = {
     "SamplingParams": "nanoserve.sampling_params",
     "LLM": "nanoserve.engine",
     "EngineCore": "nanoserve.engine",
+    "AsyncLLM": "nanoserve.engine",
     "RequestOutput": "nanoserve.output_processor",
     "CompletionOutput": "nanoserve.output_processor",
 }

@@ -15,10 +15,12 @@ which share the prompt's KV blocks through the prefix cache, as in vLLM V1.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
-from typing import Iterator, Optional, Sequence, Union
+from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.kv_cache import KVCacheManager
@@ -60,13 +62,31 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.requests:
             return []
-        sampled, logprobs = self.runner.execute_model(scheduler_output)
+        try:
+            sampled, logprobs = self.runner.execute_model(scheduler_output)
+        except Exception as e:
+            # The step's requests cannot go on; everyone else can. Roll their progress back
+            # first, so that blocks this step should have filled leave the prefix cache.
+            for request, computed in zip(scheduler_output.requests,
+                                         scheduler_output.num_computed_tokens):
+                request.num_computed_tokens = computed
+            failed = [r.request_id for r in scheduler_output.requests]
+            self.scheduler.abort(failed)
+            raise EngineStepError(failed, e) from e
         outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
         if self.tracer.enabled:
             self.tracer.emit("step_done", duration_s=round(time.perf_counter() - start, 6),
                              sampled=sampled)
             self.tracer.flush()
         return outputs
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; `request_ids` were in it and have been aborted (the engine goes on)."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 class Processor:
@@ -208,3 +228,144 @@ class LLM:
                 done += sum(states[o.request_id][1].finish_reason is not None for o in outputs)
                 tokens += sum(len(o.new_token_ids) for o in outputs)
                 bar.update(task, completed=done, tps=tokens / (time.perf_counter() - start))
+
+
+class AsyncLLM:
+    """The engine for a server: many concurrent `generate` streams over one EngineCore.
+
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+            print(out.outputs[0].text, end="")      # each output holds only what is new
+
+    One background task owns the EngineCore: it takes new requests and aborts from an
+    asyncio queue between steps, runs each blocking step in a worker thread
+    (asyncio.to_thread) so the event loop keeps serving HTTP, and puts every request's
+    new text on that request's own queue. With nothing to do it sleeps on the input queue
+    instead of spinning. A failed step fails only the requests that were in it.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        self.engine = EngineCore(Config(model=model, **kwargs))
+        self.config = self.engine.config
+        self.tokenizer = load_tokenizer(self.config, self.engine.runner)
+        self.processor = Processor(self.config, self.tokenizer, self.engine.runner)
+        self._inputs: Optional[asyncio.Queue] = None   # ("add", [Request]) | ("abort", [ids])
+        self._streams: dict[str, asyncio.Queue] = {}    # request id -> its outputs
+        self._states: dict[str, tuple[str, RequestState]] = {}   # child id -> (request id, state)
+        self._children: dict[str, list[str]] = {}       # request id -> child ids
+        self._loop_task: Optional[asyncio.Task] = None
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield a RequestOutput each time the request gains text, the last one finished.
+        Raises ValueError (before anything reaches the engine) for a request that cannot run."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.processor.prompt_token_ids(prompt)
+        self.engine.scheduler.check_fits(len(ids), sampling_params.max_tokens)
+        children = self.processor.make_requests(request_id, ids, sampling_params, priority)
+        self._start()
+        stream = self._streams[request_id] = asyncio.Queue()
+        self._children[request_id] = [c.request_id for c in children]
+        for index, child in enumerate(children):
+            self._states[child.request_id] = (request_id, RequestState(
+                child.request_id, index, ids, child.sampling_params, self.tokenizer))
+        self.num_prompt_tokens_total += len(ids) * len(children)
+        self._inputs.put_nowait(("add", children))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield RequestOutput(request_id, text, ids, item.outputs, finished)
+        finally:
+            if not finished:       # the consumer went away (client disconnected): free it all
+                self.abort(request_id)
+            self._forget(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; the engine frees its blocks before the next step."""
+        if request_id in self._children and self._inputs is not None:
+            self._inputs.put_nowait(("abort", self._children[request_id]))
+
+    def get_stats(self) -> dict:
+        scheduler, kv = self.engine.scheduler, self.engine.kv_cache_manager
+        return {"num_requests_running": len(scheduler.running),
+                "num_requests_waiting": len(scheduler.waiting),
+                "kv_cache_usage_perc": kv.usage(),
+                "num_preemptions_total": scheduler.num_preemptions_total,
+                "prefix_cache_queries_total": kv.prefix_cache_queries,
+                "prefix_cache_hits_total": kv.prefix_cache_hits,
+                "prompt_tokens_total": self.num_prompt_tokens_total,
+                "generation_tokens_total": self.num_generation_tokens_total}
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        self.engine.tracer.close()
+
+    def _start(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._inputs = asyncio.Queue()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_engine())
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        for child_id in self._children.pop(request_id, []):
+            self._states.pop(child_id, None)
+
+    async def _run_engine(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._apply(await self._inputs.get())        # idle: sleep until work arrives
+            while not self._inputs.empty():
+                self._apply(self._inputs.get_nowait())
+            try:
+                outputs = await asyncio.to_thread(self.engine.step)
+            except EngineStepError as e:
+                for child_id in e.request_ids:
+                    self._fail(child_id, e)
+                continue
+            self._dispatch(outputs)
+
+    def _apply(self, item: tuple[str, list]) -> None:
+        kind, payload = item
+        if kind == "abort":
+            self._dispatch(self.engine.abort(payload))
+            return
+        for request in payload:
+            try:
+                self.engine.add_request(request)
+            except ValueError as e:   # e.g. a duplicate id: only this request fails
+                self._fail(request.request_id, e)
+
+    def _fail(self, child_id: str, error: Exception) -> None:
+        if child_id in self._states:
+            request_id, _ = self._states[child_id]
+            self.abort(request_id)               # its siblings must not run on alone
+            self._streams[request_id].put_nowait(error)
+
+    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
+        """Feed outputs to their RequestStates; queue one RequestOutput per request."""
+        by_request: dict[str, list] = {}
+        stopped = []
+        for out in outputs:
+            if out.request_id not in self._states:
+                continue                     # its stream has already gone away
+            request_id, state = self._states[out.request_id]
+            if state.process(out):
+                stopped.append(out.request_id)
+            self.num_generation_tokens_total += len(out.new_token_ids)
+            by_request.setdefault(request_id, []).append(state.delta())
+        self.engine.abort(stopped)   # their states already hold the final text and "stop"
+        for request_id, completions in by_request.items():
+            finished = all(self._states[c][1].finish_reason is not None
+                           for c in self._children[request_id])
+            self._streams[request_id].put_nowait(RequestOutput(request_id, None, [], completions,
+                                                               finished))

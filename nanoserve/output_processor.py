@@ -93,6 +93,7 @@ class RequestState:
                                                   params.skip_special_tokens)
         self.text = ""
         self.sent = 0                     # characters of `text` already streamed
+        self.sent_tokens = 0              # tokens already streamed
         self.token_ids: list[int] = []
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.finish_reason: Optional[str] = None
@@ -109,7 +110,7 @@ class RequestState:
             stopped_by_string = self._append_and_check_stop(self.detokenizer.decode_new(out.new_token_ids))
         else:
             self.text += self.detokenizer.decode_new(out.new_token_ids)
-        if not stopped_by_string and out.finish_reason is not None:
+        if self.finish_reason is None and out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return stopped_by_string
 
@@ -139,6 +140,13 @@ class RequestState:
         delta = self.text[self.sent:max(end, self.sent)]
         self.sent += len(delta)
         return delta
+
+    def delta(self) -> CompletionOutput:
+        """What is new since the last delta (the streaming form of `completion`)."""
+        start, self.sent_tokens = self.sent_tokens, len(self.token_ids)
+        return CompletionOutput(self.index, self.new_text(), self.token_ids[start:],
+                                self.finish_reason, self.stop_reason,
+                                None if self.logprobs is None else self.logprobs[start:])
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
