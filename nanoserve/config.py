@@ -59,6 +59,8 @@ class Config:
     # -- sampling and observability -----------------------------------------
     max_logprobs: int = _f(20, "Largest `logprobs` a request may ask for.")
     trace: Optional[str] = _f(None, "Write a JSONL trace of every step to this path.")
+    debug: int = _f(0, "Show more: 1 prints one line per step to stderr; 2 also asserts the KV "
+                    "cache invariants after every step.")
 
     def __post_init__(self):
         _positive_int(self, "block_size")
@@ -69,6 +71,8 @@ class Config:
                 _positive_int(self, name)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer (got {self.seed!r})")
+        if not isinstance(self.debug, int) or not 0 <= self.debug <= 2:
+            raise ValueError(f"debug must be 0, 1 or 2 (got {self.debug!r})")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0 (got {self.max_logprobs!r})")
         if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:

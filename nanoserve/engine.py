@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import sys
 import time
 from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
@@ -74,11 +75,24 @@ class EngineCore:
             self.scheduler.abort(failed)
             raise EngineStepError(failed, e) from e
         outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
+        if self.config.debug:
+            self._debug(scheduler_output, time.perf_counter() - start)
         if self.tracer.enabled:
             self.tracer.emit("step_done", duration_s=round(time.perf_counter() - start, 6),
                              sampled=sampled)
             self.tracer.flush()
         return outputs
+
+
+    def _debug(self, out, duration: float) -> None:
+        pool = self.kv_cache_manager.pool
+        print(f"step {self.scheduler.num_steps}: {len(out.requests)} reqs, "
+              f"{out.total_num_scheduled_tokens} tokens, running {len(self.scheduler.running)} "
+              f"waiting {len(self.scheduler.waiting)}, kv {pool.num_blocks - pool.num_free_blocks}"
+              f"/{pool.num_blocks} used ({pool.num_cached_free_blocks} cached free), "
+              f"preempted {out.preempted_req_ids or '-'}, {duration * 1e3:.1f} ms", file=sys.stderr)
+        if self.config.debug >= 2:
+            self.kv_cache_manager.check_invariants()
 
 
 class EngineStepError(RuntimeError):

@@ -254,3 +254,22 @@ class KVCacheManager:
                 self.pool.uncache(block)
         if self.tracer.enabled:
             self.tracer.emit("free", req=request.request_id, blocks=block_ids[::-1])
+
+    def check_invariants(self) -> None:
+        """design.md §5, asserted (tests, and NANOSERVE_DEBUG=2 after every step): free + used
+        = total; each block's ref_cnt == the live block tables holding it; the free queue is
+        exactly the unreferenced blocks; the hash map and the blocks agree."""
+        pool = self.pool
+        holders = [0] * pool.num_blocks
+        for block_ids in self.req_to_block_ids.values():
+            assert len(set(block_ids)) == len(block_ids), "a block appears twice in one table"
+            for b in block_ids:
+                holders[b] += 1
+        used = sum(1 for h in holders if h > 0)
+        assert used + pool.num_free_blocks == pool.num_blocks, "free + used != total"
+        for block in pool.blocks:
+            assert block.ref_cnt == holders[block.block_id], block
+            assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue), block
+            if block.block_hash is not None:
+                assert pool.cached_blocks[block.block_hash] is block, block
+        assert all(b.block_hash == h for h, b in pool.cached_blocks.items())

@@ -87,22 +87,3 @@ def run(scheduler: Scheduler, requests: list[Request], check=None, runner=None,
 
 def make_request(rid: str, prompt: list[int], max_tokens: int, **params) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params))
-
-
-def check_invariants(kv: KVCacheManager) -> None:
-    """design.md §5: free + used = total; ref_cnt == live block tables holding the block;
-    the free queue is exactly the unreferenced blocks; the hash map and the blocks agree."""
-    pool = kv.pool
-    holders = [0] * pool.num_blocks
-    for block_ids in kv.req_to_block_ids.values():
-        assert len(set(block_ids)) == len(block_ids), "a block appears twice in one table"
-        for b in block_ids:
-            holders[b] += 1
-    used = sum(1 for h in holders if h > 0)
-    assert used + pool.num_free_blocks == pool.num_blocks
-    for block in pool.blocks:
-        assert block.ref_cnt == holders[block.block_id], block
-        assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue), block
-        if block.block_hash is not None:
-            assert pool.cached_blocks[block.block_hash] is block
-    assert all(b.block_hash == h for h, b in pool.cached_blocks.items())

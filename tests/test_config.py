@@ -12,7 +12,7 @@ BAD_CONFIG = {
     "block_size": 0, "max_num_seqs": -1, "max_num_batched_tokens": 1.5, "max_model_len": 0,
     "num_kv_blocks": 0, "seed": "x", "max_logprobs": -1, "kv_cache_memory_gb": 0.0,
     "gpu_memory_utilization": 1.5, "dtype": "int8", "device": "tpu",
-    "scheduling_policy": "lifo",
+    "scheduling_policy": "lifo", "debug": 3,
 }
 
 

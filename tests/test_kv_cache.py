@@ -4,7 +4,7 @@ invariants under random interleavings (hypothesis)."""
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fake_engine import check_invariants, make_request
+from fake_engine import make_request
 from nanoserve.kv_cache import KVCacheManager, hash_block
 
 BS = 4
@@ -63,7 +63,7 @@ def test_prefix_hit_shares_blocks_and_never_covers_last_token():
     assert kv.req_to_block_ids["b"][:2] == kv.req_to_block_ids["a"][:2]
     assert kv.pool.blocks[kv.req_to_block_ids["a"][0]].ref_cnt == 2
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (24, 8)
-    check_invariants(kv)
+    kv.check_invariants()
 
 
 def test_freed_blocks_stay_cached_until_evicted_lru():
@@ -81,7 +81,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     new, num_hit = admit(kv, c)
     assert num_hit == 0 and len(new) == 4 and kv.pool.num_cached_free_blocks == 0
     assert kv.get_computed_blocks(make_request("d", list(range(9)), 1)) == ([], 0)
-    check_invariants(kv)
+    kv.check_invariants()
 
 
 def test_uncomputed_block_is_not_left_in_cache_on_preempt():
@@ -90,7 +90,7 @@ def test_uncomputed_block_is_not_left_in_cache_on_preempt():
     assert kv.allocate_slots(a, 8) is not None    # allocated and hashed, not yet computed
     kv.free(a)                                    # preempted before the forward ran
     assert kv.pool.num_cached_free_blocks == 0
-    check_invariants(kv)
+    kv.check_invariants()
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -129,7 +129,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def invariants_hold(self):
-        check_invariants(self.kv)
+        self.kv.check_invariants()
 
     def teardown(self):
         for req in self.live.values():

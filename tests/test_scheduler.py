@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fake_engine import (FakeRunner, check_invariants, make_request, make_scheduler,
+from fake_engine import (FakeRunner, make_request, make_scheduler,
                          reference_tokens, run)
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import Request
@@ -25,7 +25,7 @@ def workload(seed=0, n=12, shared_prefix=0):
 def run_workload(spec, **cfg):
     sched = make_scheduler(**cfg)
     outs, steps = run(sched, [make_request(*s) for s in spec],
-                      check=lambda s: check_invariants(s.kv))
+                      check=lambda s: s.kv.check_invariants())
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks   # nothing leaked
     return sched, outs, steps
 
@@ -119,7 +119,7 @@ def test_priority_policy_admits_and_preempts_by_priority():
         if out.preempted_req_ids:
             assert out.preempted_req_ids == ["low"]
         sched.update(out, runner.execute(out))
-        check_invariants(sched.kv)
+        sched.kv.check_invariants()
     assert sched.num_preemptions_total > 0
     assert high.output_token_ids == reference_tokens([2] * 8, 8)
     assert low.output_token_ids == reference_tokens([1] * 8, 8)
@@ -170,7 +170,7 @@ def test_abort_frees_everything():
     sched.abort(["r1"])
     assert not sched.has_unfinished_requests() and not sched.running
     assert sched.kv.pool.num_free_blocks == 32
-    check_invariants(sched.kv)
+    sched.kv.check_invariants()
 
 
 def test_trace_replays_kv_used_and_ends_empty(tmp_path):
@@ -218,7 +218,7 @@ def test_random_workloads_match_reference(seed, num_blocks, budget, seqs, cachin
         except ValueError:
             continue
         reqs.append(r)
-    outs, _ = run(sched, reqs, check=lambda s: check_invariants(s.kv))
+    outs, _ = run(sched, reqs, check=lambda s: s.kv.check_invariants())
     assert outs == {r.request_id: reference_tokens(r.prompt_token_ids, r.sampling_params.max_tokens)
                     for r in reqs}
     assert sched.kv.pool.num_free_blocks == num_blocks
