@@ -32,6 +32,25 @@ from torch import Tensor, nn
 from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
 
 
+class Linear(nn.Module):
+    """y = x @ W.T + b, as nn.Linear, but W is stored transposed: `weight_t` is [in, out].
+
+    Why: a decode step multiplies only a few rows (one per running request), and for 4 to 128
+    rows MKL's CPU GEMM runs up to 2x faster on an [in, out] matrix than on nn.Linear's
+    [out, in]; for big prefills the two layouts tie. `load_weights` writes HF's [out, in]
+    tensors through the view `weight_t.t()`, so checkpoints load unchanged."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -129,8 +148,8 @@ class LlamaAttention(nn.Module):
             qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -157,8 +176,8 @@ class LlamaMLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama family uses 'silu')")
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -227,8 +246,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _checkpoint_targets(self) -> dict[str, tuple[Tensor, slice]]:
         """Every HF checkpoint name this model needs -> (our parameter, its rows for that weight)."""
-        params = dict(self.named_parameters())  # a tied lm_head is listed once, as embed_tokens
-        targets = {name: (p, slice(None)) for name, p in params.items()}
+        targets = {}
+        for name, p in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
+            if name.endswith(".weight_t"):          # our transposed Linear: HF's [out, in] view
+                name, p = name[:-len("_t")], p.data.t()
+            targets[name] = (p, slice(None))
         attn = self.model.layers[0].self_attn
         q, kv, mlp = attn.q_size, attn.kv_size, self.config.intermediate_size
         fused = {  # our fused module -> the HF modules stacked in it, in row order, with their rows
