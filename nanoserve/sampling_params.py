@@ -46,32 +46,32 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        _check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+        _check(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
+        _check(is_num(self.temperature) and self.temperature >= 0, "temperature",
                "must be >= 0", self.temperature)
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
+        _check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
                self.top_p)
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+        _check(is_int(self.top_k) and self.top_k >= 0, "top_k",
                "must be an integer >= 0 (0 or -1 disables it)", self.top_k)
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]",
+        _check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]",
                self.min_p)
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer", self.seed)
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        _check(self.seed is None or is_int(self.seed), "seed", "must be an integer", self.seed)
+        _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", "must be an integer >= 1", self.max_tokens)
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+        _check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
                "must be an integer >= 0", self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be non-empty strings", self.stop)
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be token ids (integers >= 0)", self.stop_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+            _check(is_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
+        _check(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty", "must be > 0", self.repetition_penalty)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+        _check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", "must be an integer >= 0", self.logprobs)
 
     @property
@@ -79,11 +79,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
+def is_num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
