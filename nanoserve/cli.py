@@ -3,6 +3,9 @@
     nanoserve generate "Once upon a time"                 # the built-in model, streamed
     nanoserve generate --chat "Tell me a story about a cat"
     nanoserve generate "Hello" --model path/to/checkpoint --max-tokens 64 --temperature 0.8
+    nanoserve serve                                       # OpenAI-compatible API on 127.0.0.1:8000
+    nanoserve serve path/to/checkpoint --port 8080 --api-key secret --max-model-len 2048
+    nanoserve trace run.jsonl --step 12                   # replay a --trace file (replay.py)
 
 Every Config field is a flag (`--max-model-len`, `--block-size`, `--trace run.jsonl`, ...),
 generated from config.py, so a new field needs no code here.
@@ -13,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanoserve.config import Config
+from nanoserve.config import DEFAULT_MODEL, Config
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -33,6 +36,23 @@ def _generate(args: argparse.Namespace) -> None:
     print()
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from nanoserve.api import build_app
+    from nanoserve.engine import AsyncLLM
+    config = Config.from_cli_args(args)
+    engine = AsyncLLM(**vars(config))
+    app = build_app(engine, args.served_model_name or config.model, args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, access_log=False)   # api.py logs requests
+
+
+def _trace(args: argparse.Namespace) -> None:
+    from nanoserve.replay import main as replay
+    replay(args.file, step=args.step, speed=args.speed, plot=args.plot, summary=args.summary,
+           chrome=args.chrome)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,6 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="The request's seed (same seed, same text).")
     Config.add_cli_args(gen, skip=("seed",))
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API "
+                         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+    srv.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                     help=Config.__dataclass_fields__["model"].metadata["help"])
+    srv.add_argument("--host", default="127.0.0.1", help="Address to bind (loopback by default).")
+    srv.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    srv.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
+    srv.add_argument("--served-model-name", default=None,
+                     help="The model name clients send (default: MODEL as given).")
+    Config.add_cli_args(srv, skip=("model",))
+    srv.set_defaults(func=_serve)
+
+    trc = sub.add_parser("trace", help="Replay a --trace file: animated in the terminal (no "
+                         "option), one frame, a summary, figures or a Chrome trace.")
+    trc.add_argument("file", help="A JSONL trace written with --trace.")
+    trc.add_argument("--step", type=int, metavar="N", help="Print the frame after step N and exit.")
+    trc.add_argument("--speed", type=float, default=4.0, help="Steps per second of the animation "
+                     "(keys on a terminal: space pause, n/b step, q quit).")
+    trc.add_argument("--plot", metavar="DIR", help="Write PNGs to DIR: request Gantt, KV blocks, "
+                     "tokens per step, latency CDFs.")
+    trc.add_argument("--summary", action="store_true", help="Print requests, steps, preemptions, "
+                     "prefix hit rate, batch size and latency percentiles.")
+    trc.add_argument("--chrome", metavar="FILE", help="Write Chrome/Perfetto trace-event JSON.")
+    trc.set_defaults(func=_trace)
     return parser
 
 

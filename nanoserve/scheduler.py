@@ -365,9 +365,11 @@ class Scheduler:
         return bool(self.requests)
 
     def _trace_schedule(self, output: SchedulerOutput) -> None:
-        num_decode = sum(n for r, n, c in zip(output.requests, output.num_scheduled_tokens,
+        # A decode is one new token after the prompt; recomputing a resumed request's
+        # outputs is prefill work, however far its prefix hit reached.
+        num_decode = sum(1 for r, n, c in zip(output.requests, output.num_scheduled_tokens,
                                               output.num_computed_tokens)
-                         if c >= r.num_prompt_tokens)
+                         if n == 1 and c >= r.num_prompt_tokens)
         pool = self.kv.pool
         self.tracer.emit(
             "schedule",

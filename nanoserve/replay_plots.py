@@ -1,0 +1,234 @@
+"""replay_plots.py: a trace as numbers, figures and a Chrome/Perfetto timeline.
+
+    nanoserve trace traces/preemption_storm.jsonl --summary           # a table
+    nanoserve trace traces/preemption_storm.jsonl --plot figs/        # four PNGs
+    nanoserve trace traces/preemption_storm.jsonl --chrome run.json   # open in ui.perfetto.dev
+
+The summary's latencies come from the trace's clock: a token's time is the end of the step
+that sampled it; time to first token = first token - arrival; inter-token latency = the
+gaps between a request's tokens; end to end = finish - arrival. Percentiles interpolate
+linearly between ranks (numpy's default): p50 of [0.1, 0.2] is 0.15.
+
+The figures, all over the engine's step number (one step = one forward pass):
+- gantt.png: one row per request: waiting, prefill chunks, decode steps, preemptions (x);
+- kv_blocks.png: KV blocks used / cached free / free, stacked, preemptions marked;
+- tokens.png: tokens per step, prefill and decode, against max_num_batched_tokens;
+- latency_cdf.png: CDFs of time to first token and end-to-end latency.
+
+Figures are drawn on `matplotlib.figure.Figure` directly (no pyplot), so no display and no
+global backend are needed. Input is a `replay.Trace`; this module never imports the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from itertools import pairwise
+from typing import Optional
+
+from matplotlib.figure import Figure
+from rich.table import Table
+
+from nanoserve.replay import Trace
+
+COLOURS = {"wait": "#d9d9d9", "prefill": "#f0a030", "decode": "#3a9a4a"}
+
+
+def summary(trace: Trace) -> dict:
+    """Counts, the prefix-cache hit rate (cached / queried prompt tokens, as kv_cache.py
+    counts them) and latency percentiles in seconds."""
+    reqs = list(trace.requests.values())
+    busy = [f.schedule for f in trace.frames.values() if f.schedule.get("scheduled")]
+    times = [trace.token_times(r) for r in reqs]
+    reasons: dict[str, int] = {}
+    for r in reqs:
+        reasons[r.reason or "unfinished"] = reasons.get(r.reason or "unfinished", 0) + 1
+    caching = trace.config.get("enable_prefix_caching", True) and trace.prefix_queries
+    return {
+        "requests": len(reqs), "finished": reasons, "steps": len(busy),
+        "preemptions": sum(len(r.preempt_steps) for r in reqs),
+        "prefix_hit_rate": trace.prefix_hits / trace.prefix_queries if caching else None,
+        "mean_batch_size": sum(len(s["scheduled"]) for s in busy) / max(len(busy), 1),
+        "mean_tokens_per_step": sum(sum(s["scheduled"].values()) for s in busy) / max(len(busy), 1),
+        "output_tokens": sum(len(ts) for ts in times),
+        "ttft_s": percentiles([ts[0] - r.arrive_t for r, ts in zip(reqs, times) if ts]),
+        "itl_s": percentiles([b - a for ts in times for a, b in pairwise(ts)]),
+        "e2e_s": percentiles([r.finish_t - r.arrive_t for r in reqs if r.finish_t is not None]),
+    }
+
+
+def percentiles(values: list[float], qs=(50, 90, 99)) -> Optional[dict[str, float]]:
+    if not values:
+        return None
+    v, out = sorted(values), {}
+    for q in qs:
+        k = (len(v) - 1) * q / 100
+        lo = int(k)
+        out[f"p{q}"] = v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (k - lo)
+    return out
+
+
+def summary_table(trace: Trace) -> Table:
+    s = summary(trace)
+    table = Table(title=trace.path, show_header=False, title_justify="left")
+
+    def ms(p: Optional[dict]) -> str:
+        return " / ".join(f"{v * 1e3:.1f}" for v in p.values()) + " ms" if p else "-"
+
+    rate, reasons = s["prefix_hit_rate"], ", ".join(f"{k} {v}" for k, v in s["finished"].items())
+    for name, value in [
+        ("requests", f"{s['requests']} ({reasons})"),
+        ("steps", s["steps"]), ("preemptions", s["preemptions"]),
+        ("prefix cache hit rate", "off" if rate is None else f"{rate:.1%} of prompt tokens"),
+        ("mean batch size", f"{s['mean_batch_size']:.2f} requests, "
+                            f"{s['mean_tokens_per_step']:.1f} tokens per step"),
+        ("output tokens", s["output_tokens"]),
+        ("time to first token p50/p90/p99", ms(s["ttft_s"])),
+        ("inter-token latency p50/p90/p99", ms(s["itl_s"])),
+        ("end-to-end latency p50/p90/p99", ms(s["e2e_s"]))]:
+        table.add_row(name, str(value))
+    return table
+
+
+def write_plots(trace: Trace, out_dir: str) -> list[str]:
+    """Draw the four figures into out_dir (created if missing); returns their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for name, draw in (("gantt", gantt), ("kv_blocks", kv_blocks), ("tokens", tokens),
+                       ("latency_cdf", latency_cdf)):
+        fig = draw(trace)
+        fig.suptitle(f"{os.path.basename(trace.path)}: {fig.get_suptitle()}", fontsize=11)
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        paths.append(path)
+    return paths
+
+
+def _schedules(trace: Trace) -> list[dict]:
+    return [f.schedule for f in trace.frames.values() if f.schedule]
+
+
+def _preempt_steps(trace: Trace) -> list[int]:
+    return sorted({s for r in trace.requests.values() for s in r.preempt_steps})
+
+
+def gantt(trace: Trace) -> Figure:
+    reqs = list(trace.requests.values())
+    last = max(trace.frames)
+    fig = Figure(figsize=(10, 1.6 + 0.28 * len(reqs)), layout="constrained")
+    ax = fig.add_subplot()
+    for y, r in enumerate(reqs):
+        # Run-length encode the request's row: one bar per run of equal kinds.
+        runs: list[list] = []
+        for s in range(1, last + 1):
+            kind = r.kind(s)
+            kind = "decode" if kind == "finish" else kind
+            if runs and runs[-1][0] == kind and runs[-1][1] + runs[-1][2] == s:
+                runs[-1][2] += 1
+            elif kind in COLOURS:
+                runs.append([kind, s, 1])
+        for kind in COLOURS:
+            spans = [(s - 0.5, n) for k, s, n in runs if k == kind]
+            ax.broken_barh(spans, (y - 0.4, 0.8), color=COLOURS[kind],
+                           label=kind if y == 0 else None)
+        ax.scatter(r.preempt_steps, [y] * len(r.preempt_steps), marker="x", color="red",
+                   zorder=3, label="preempted" if r.preempt_steps and "preempted" not in
+                   ax.get_legend_handles_labels()[1] else None)
+    ax.set_yticks(range(len(reqs)), [r.label for r in reqs])
+    ax.invert_yaxis()
+    ax.set_xlabel("step")
+    ax.set_ylabel("request")
+    fig.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle("requests over steps")
+    return fig
+
+
+def kv_blocks(trace: Trace) -> Figure:
+    """From each step's `schedule` event: the pool as the step ran (exact counts)."""
+    sched = _schedules(trace)
+    steps = [s["step"] for s in sched]
+    used = [s["kv_used"] for s in sched]
+    cached = [s["kv_cached"] for s in sched]
+    free = [s["kv_free"] - s["kv_cached"] for s in sched]
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    ax.stackplot(steps, used, cached, free, labels=["used", "cached (free, hashed)", "free"],
+                 colors=["#8e44ad", "#58b368", "#e8e8e8"], step="mid")
+    for i, s in enumerate(_preempt_steps(trace)):
+        ax.axvline(s, color="red", lw=0.8, ls="--", label="preemption" if i == 0 else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("KV blocks")
+    ax.set_ylim(0, trace.num_blocks)
+    fig.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(f"KV cache pool ({trace.num_blocks} blocks)")
+    return fig
+
+
+def tokens(trace: Trace) -> Figure:
+    sched = _schedules(trace)
+    steps = [s["step"] for s in sched]
+    prefill = [s["num_prefill_tokens"] for s in sched]
+    decode = [s["num_decode_tokens"] for s in sched]
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar(steps, prefill, width=1.0, color=COLOURS["prefill"], label="prefill")
+    ax.bar(steps, decode, width=1.0, bottom=prefill, color=COLOURS["decode"], label="decode")
+    top = max((p + d for p, d in zip(prefill, decode)), default=1)
+    budget = f"budget (max_num_batched_tokens) = {trace.budget or '?'}"
+    if trace.budget and trace.budget <= 4 * top:     # else the bars would be slivers under it
+        ax.axhline(trace.budget, color="black", ls="--", lw=1, label=budget)
+        ax.set_ylim(0, trace.budget * 1.1)
+    else:
+        ax.set_title(f"{budget}: far above these bars", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens")
+    fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle("tokens per step")
+    return fig
+
+
+def latency_cdf(trace: Trace) -> Figure:
+    reqs = list(trace.requests.values())
+    ttft = [trace.token_times(r)[0] - r.arrive_t for r in reqs if r.token_steps]
+    e2e = [r.finish_t - r.arrive_t for r in reqs if r.finish_t is not None]
+    fig = Figure(figsize=(10, 3.5), layout="constrained")
+    for i, (name, values) in enumerate((("time to first token", ttft),
+                                        ("end-to-end latency", e2e))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        v = sorted(values)
+        ax.step(v, [(k + 1) / len(v) for k in range(len(v))], where="post")
+        ax.set_xlabel(f"{name} (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    fig.suptitle("latency CDFs")
+    return fig
+
+
+def chrome_trace(trace: Trace) -> dict:
+    """Trace-event JSON: a track of engine steps, one track per request (its prefill and
+    decode steps; arrive, preempt and finish marks), and counters of the pool and batch."""
+    def us(t: float) -> float:
+        return round(t * 1e6, 1)
+
+    out = [{"ph": "M", "pid": 1, "tid": 0, "name": "thread_name", "args": {"name": "engine steps"}}]
+    for step, (start, end) in sorted(trace.spans.items()):
+        s = trace.frames[step].schedule
+        out.append({"ph": "X", "pid": 1, "tid": 0, "name": f"step {step}", "ts": us(start),
+                    "dur": us(end - start), "args": {"scheduled": s["scheduled"]}})
+        out.append({"ph": "C", "pid": 1, "name": "KV blocks", "ts": us(start), "args": {
+            "used": s["kv_used"], "cached": s["kv_cached"], "free": s["kv_free"] - s["kv_cached"]}})
+        out.append({"ph": "C", "pid": 1, "name": "tokens", "ts": us(start), "args": {
+            "prefill": s["num_prefill_tokens"], "decode": s["num_decode_tokens"]}})
+    for tid, r in enumerate(trace.requests.values(), 1):
+        out.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name",
+                    "args": {"name": f"request {r.req}"}})
+        for step, kind in r.work.items():
+            start, end = trace.spans[step]
+            out.append({"ph": "X", "pid": 1, "tid": tid, "name": kind, "ts": us(start),
+                        "dur": us(end - start), "args": {"step": step}})
+        marks = [("arrive", r.arrive_t)] + [("preempt", trace.spans[s][0]) for s in r.preempt_steps]
+        if r.finish_t is not None:
+            marks.append((f"finish ({r.reason})", r.finish_t))
+        out += [{"ph": "i", "s": "t", "pid": 1, "tid": tid, "name": name, "ts": us(t)}
+                for name, t in marks]
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
