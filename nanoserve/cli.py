@@ -6,6 +6,8 @@
     nanoserve serve                                       # OpenAI-compatible API on 127.0.0.1:8000
     nanoserve serve path/to/checkpoint --port 8080 --api-key secret --max-model-len 2048
     nanoserve trace run.jsonl --step 12                   # replay a --trace file (replay.py)
+    nanoserve memory path/to/checkpoint --device-memory-gb 80   # do weights + KV cache fit?
+    nanoserve cost --prices examples/prices.json --requests-per-day 1e5 ...  # self-host or API?
 
 Every Config field is a flag (`--max-model-len`, `--block-size`, `--trace run.jsonl`, ...),
 generated from config.py, so a new field needs no code here.
@@ -14,6 +16,7 @@ generated from config.py, so a new field needs no code here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from nanoserve.config import DEFAULT_MODEL, Config
@@ -51,6 +54,16 @@ def _trace(args: argparse.Namespace) -> None:
     from nanoserve.replay import main as replay
     replay(args.file, step=args.step, speed=args.speed, plot=args.plot, summary=args.summary,
            chrome=args.chrome)
+
+
+def _memory(args: argparse.Namespace) -> None:
+    from nanoserve.memory import main as memory
+    memory(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+
+
+def _cost(args: argparse.Namespace) -> None:
+    from nanoserve.cost import main as cost
+    cost(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +105,44 @@ def build_parser() -> argparse.ArgumentParser:
                      "prefix hit rate, batch size and latency percentiles.")
     trc.add_argument("--chrome", metavar="FILE", help="Write Chrome/Perfetto trace-event JSON.")
     trc.set_defaults(func=_trace)
+
+    mem = sub.add_parser("memory", help="Do the weights and the KV cache fit? Sizes the KV pool "
+                         "with the engine's own code: blocks, tokens, sequences, a verdict.")
+    mem.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                     help="A checkpoint directory or its config.json (default: built-in).")
+    mem.add_argument("--device-memory-gb", type=float, help="GPU memory in GiB (default: the "
+                     "detected GPU; with none, the engine's CPU rule).")
+    mem.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), float32, "
+                     "bfloat16, float16 or fp8 (vLLM's option; nanoserve stores the model dtype).")
+    mem.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="GPUs the model is split over; the figures are per GPU.")
+    mem.add_argument("--activation-reserve-gb", type=float, help="The activation peak in GiB, "
+                     "e.g. as the engine measured it (default: estimated from the config).")
+    mem.add_argument("--plot", metavar="FILE", help="Write a figure: memory against context "
+                     "length and batch size.")
+    sizing = ("dtype", "max_model_len", "block_size", "kv_cache_memory_gb",
+              "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
+    Config.add_cli_args(mem, skip=tuple(f.name for f in dataclasses.fields(Config)
+                                        if f.name not in sizing))
+    mem.set_defaults(func=_memory)
+
+    cst = sub.add_parser("cost", help="Self-host or pay per token? Monthly cost of both, the "
+                         "break-even volume and the GPU utilisation there.")
+    cst.add_argument("--prices", metavar="FILE", help="JSON with dated prices and their sources "
+                     "(e.g. examples/prices.json); a flag wins over the file.")
+    cst.add_argument("--requests-per-day", type=float, help="Requests per day.")
+    cst.add_argument("--prompt-tokens", type=int, help="Prompt tokens per request.")
+    cst.add_argument("--output-tokens", type=int, help="Output tokens per request.")
+    cst.add_argument("--api-input-price", type=float, help="API $ per million prompt tokens.")
+    cst.add_argument("--api-output-price", type=float, help="API $ per million output tokens.")
+    cst.add_argument("--gpu-price-per-hour", type=float, help="$ per GPU-hour.")
+    cst.add_argument("--throughput", type=float, help="Output tokens/s one server sustains on "
+                     "this workload (measure it with `nanoserve bench` at the same lengths).")
+    cst.add_argument("--gpus-per-server", type=int, help="GPUs one server needs (e.g. its "
+                     "tensor parallel size; default 1).")
+    cst.add_argument("--plot", metavar="FILE", help="Write a figure of both monthly costs "
+                     "against requests per day.")
+    cst.set_defaults(func=_cost)
     return parser
 
 

@@ -57,18 +57,23 @@ def resolve_model_path(model: str) -> Path:
                          f"could not provide it ({type(e).__name__}: {e})") from None
 
 
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards its index names, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return [path / name for name in sorted(shards)]
+    return sorted(path.glob("*.safetensors"))
+
+
 def iterate_weights(path: Path):
     """(name, tensor) for every tensor of the checkpoint, shard by shard."""
     from safetensors import safe_open
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
+    files = safetensors_files(path)
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
-    for name in files:
-        with safe_open(path / name, framework="pt") as f:
+    for file in files:
+        with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 yield key, f.get_tensor(key)
 
@@ -96,6 +101,38 @@ def num_blocks_for_memory(memory_bytes: float, hf_config, dtype: torch.dtype, bl
     return int(memory_bytes // (kv_cache_bytes_per_token(hf_config, dtype) * block_size))
 
 
+def kv_cache_memory_budget(total_bytes: float, gpu_memory_utilization: float,
+                           weight_bytes: float, activation_bytes: float) -> float:
+    """The KV pool's share of a GPU: total x gpu_memory_utilization - weights - peak activations.
+    May be <= 0 (the model does not fit); the engine and `nanoserve memory` both use it."""
+    return total_bytes * gpu_memory_utilization - weight_bytes - activation_bytes
+
+
+def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tokens: int,
+                              max_num_seqs: int, block_size: int) -> int:
+    """What `ModelRunner._profile_free_cuda_memory` would measure, estimated where no GPU can run
+    the profile (`nanoserve memory`). Its forward of n = max_num_batched_tokens tokens holds, at
+    its peak, the sum of:
+      - its own KV cache for n tokens (block-rounded);
+      - the widest point of one layer, the MLP: the residual and its normed copy [n, hidden],
+        gate_up [n, 2 x intermediate], silu(gate) and the product [n, intermediate] each;
+      - the logits of max_num_seqs rows, in the model dtype and again in float32.
+    The last two never coincide, so the sum errs on the safe (high) side. Attention adds only
+    its [n, q_size] output: the paged kernels never build an n x n score matrix."""
+    n, item = max_num_batched_tokens, dtype.itemsize
+    profile_kv = -(-n // block_size) * block_size * kv_cache_bytes_per_token(hf_config, dtype)
+    mlp = n * (2 * hf_config.hidden_size + 4 * hf_config.intermediate_size) * item
+    logits = min(n, max_num_seqs) * hf_config.vocab_size * (item + 4)
+    return profile_kv + mlp + logits
+
+
+def max_len_of(model) -> int:
+    """The longest sequence the engine serves: max_position_embeddings, capped by a sliding
+    window (paged attention attends to the whole sequence; past the window HF would not)."""
+    max_len = model.config.max_position_embeddings
+    return min(max_len, model.sliding_window) if getattr(model, "sliding_window", None) else max_len
+
+
 class ModelRunner:
     def __init__(self, config: Config):
         from transformers import AutoConfig
@@ -106,13 +143,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.model = self._load_model()
-        max_len = self.hf_config.max_position_embeddings
-        if getattr(self.model, "sliding_window", None):
-            # Paged attention attends to the whole sequence; past the window HF would not.
-            max_len = min(max_len, self.model.sliding_window)
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
-        self.config = config.resolve(max_position_embeddings=max_len,
+        self.config = config.resolve(max_position_embeddings=max_len_of(self.model),
                                      num_kv_blocks=self._num_kv_blocks(config))
         needed = -(-self.config.max_model_len // self.block_size)
         if needed > self.config.num_kv_blocks:
@@ -148,8 +181,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_free_cuda_memory(self, config: Config) -> float:
-        """usable = total x gpu_memory_utilization - weights - peak activations, where the peak
-        is measured on a forward of max_num_batched_tokens tokens with a 1-block cache."""
+        """kv_cache_memory_budget() with the weights and the peak activations measured on a
+        forward of max_num_batched_tokens tokens (with a KV cache just big enough for them)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         weights = torch.cuda.memory_allocated(self.device)
@@ -170,7 +203,7 @@ class ModelRunner:
         del caches, hidden
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        usable = total * config.gpu_memory_utilization - weights - peak
+        usable = kv_cache_memory_budget(total, config.gpu_memory_utilization, weights, peak)
         if usable <= 0:
             raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x "
                              f"gpu_memory_utilization {config.gpu_memory_utilization} - weights "

@@ -1,0 +1,321 @@
+"""memory.py: `nanoserve memory`, do this model's weights and its KV cache fit on the GPU?
+
+    nanoserve memory path/to/checkpoint --device-memory-gb 80 --max-model-len 8192
+    nanoserve memory examples/llama-3-8b-config.json --device-memory-gb 24 --plot memory.png
+    nanoserve memory                     # the built-in model on this machine's GPU, or CPU rule
+
+It sizes the KV pool with the engine's own functions from worker.py, so the block count it
+prints is the block count the engine allocates at start-up:
+
+    KV budget  = device x gpu_memory_utilization - weights - activation reserve
+    KV / token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+    blocks     = KV budget // (KV / token x block_size)
+
+Worked example, Llama-3-8B (32 layers, 8 KV heads, head_dim 128) in bfloat16: a token's K and V
+take 2 x 32 x 8 x 128 x 2 = 131,072 bytes (128 KiB), a 16-token block 2 MiB. On an 80 GiB GPU
+at 0.9 utilisation that leaves 72 - 14.96 (weights) - 0.55 (reserve) = 56.49 GiB: 28,924
+blocks, 462,784 tokens, 56 sequences of 8192 tokens at once.
+
+Weights are parameters x dtype bytes, counted from the checkpoint's safetensors headers (never
+the tensor data) or, with only a config.json, from the engine's own model built on the "meta"
+device (shapes without memory); the RoPE tables the model builds at load are added. The
+activation reserve is the engine's profile, estimated: `estimate_activation_bytes` (worker.py).
+With --tensor-parallel-size N everything is per GPU: each holds 1/N of the weights and of the
+KV heads (at least one), as vLLM shards them. nanoserve itself runs on one device, and stores
+KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+from nanoserve.config import DEFAULT_MODEL, Config
+from nanoserve.models import get_model_class
+from nanoserve.models.llama import head_dim_of
+from nanoserve.worker import (CPU_KV_CACHE_GB, estimate_activation_bytes, kv_cache_bytes_per_token,
+                              kv_cache_memory_budget, max_len_of, num_blocks_for_memory,
+                              resolve_dtype, resolve_model_path, safetensors_files)
+
+GiB = 2**30
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                   "float16": torch.float16, "fp8": torch.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    model: str
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    tensor_parallel_size: int
+    num_params: int
+    params_from: str                 # "safetensors headers" or "config.json"
+    buffer_bytes: int                # the RoPE cos/sin tables (float32), whole model
+    weight_bytes: float              # per GPU: (parameters + buffers) / tensor_parallel_size
+    device_bytes: Optional[float]    # per GPU; None: no GPU, the engine's CPU rule
+    gpu_memory_utilization: float
+    activation_bytes: float          # per GPU; 0 without a GPU (nothing is profiled)
+    activation_from: str
+    kv_budget_bytes: float
+    kv_budget_from: str
+    num_layers: int
+    num_kv_heads: int                # per GPU
+    head_dim: int
+    kv_bytes_per_token: int          # per GPU
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences of max_model_len that fit in the pool at once."""
+        return self.num_blocks // self.blocks_per_seq
+
+    @property
+    def used_bytes(self) -> float:
+        return self.weight_bytes + self.activation_bytes + max(self.kv_budget_bytes, 0)
+
+    @property
+    def limit_bytes(self) -> float:
+        """What the engine may use: the device's share, or (CPU rule) exactly what it uses."""
+        if self.device_bytes is None:
+            return self.used_bytes
+        return self.device_bytes * self.gpu_memory_utilization
+
+
+def load_hf_config(model: str):
+    """(HF config, checkpoint directory or None) for the built-in model, a checkpoint directory
+    or a config.json file (a checkpoint when safetensors files lie beside it)."""
+    from transformers import AutoConfig
+    path = resolve_model_path(model) if model == DEFAULT_MODEL else Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: the directory {path} has no config.json")
+        return AutoConfig.from_pretrained(path), path
+    if not path.is_file():
+        raise ValueError(f"model: {model!r} is neither a checkpoint directory nor a config.json")
+    try:
+        return AutoConfig.from_pretrained(path), path.parent
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: {path} is not a readable HF config.json ({e})") from None
+
+
+def checkpoint_num_params(path: Path, tied: bool) -> Optional[int]:
+    """Parameters the engine loads from the checkpoint, read from the safetensors headers alone
+    (each file opens with an 8-byte little-endian length, then that many bytes of JSON: name ->
+    dtype, shape, offsets). None when there are no safetensors files."""
+    files = safetensors_files(path)
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, info in header.items():
+            # The engine's loader skips these (models/llama.py load_weights).
+            skipped = name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
+            if name != "__metadata__" and not skipped:
+                total += math.prod(info["shape"])
+    return total
+
+
+def shard_for_tp(hf_config, tp: int):
+    """The config one of `tp` GPUs computes with, as vLLM shards a Llama: attention heads, KV
+    heads (never below one: with tp > kv_heads each GPU keeps a replica), the MLP's
+    intermediate size and the vocabulary split tp ways."""
+    if tp == 1:
+        return hf_config
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads ({heads}) "
+                         f"and divide, or be a multiple of, num_key_value_heads ({kv_heads})")
+    shard = copy.deepcopy(hf_config)
+    shard.head_dim = head_dim_of(hf_config)  # explicit: hidden_size / heads no longer gives it
+    shard.num_attention_heads = heads // tp
+    shard.num_key_value_heads = max(1, kv_heads // tp)
+    shard.intermediate_size = -(-hf_config.intermediate_size // tp)
+    shard.vocab_size = -(-hf_config.vocab_size // tp)
+    return shard
+
+
+def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[float] = None,
+                  gpu_memory_utilization: float = 0.9, max_model_len: Optional[int] = None,
+                  dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
+                  tensor_parallel_size: int = 1, kv_cache_memory_gb: Optional[float] = None,
+                  activation_reserve_gb: Optional[float] = None,
+                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64) -> MemoryReport:
+    """Size the KV pool exactly as the engine would for these settings (see the module doc)."""
+    # Config checks what the engine checks (block_size, gpu_memory_utilization, dtype, ...).
+    config = Config(model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+                    kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    max_num_batched_tokens=max_num_batched_tokens)
+    if device_memory_gb is not None and not device_memory_gb > 0:
+        raise ValueError(f"device_memory_gb must be > 0 (got {device_memory_gb})")
+    if activation_reserve_gb is not None and not activation_reserve_gb >= 0:
+        raise ValueError(f"activation_reserve_gb must be >= 0 (got {activation_reserve_gb})")
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer (got {tp!r})")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+                         f"(got {kv_cache_dtype!r})")
+    hf_config, checkpoint = load_hf_config(model)
+    device_bytes = device_memory_gb * GiB if device_memory_gb is not None else (
+        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    model_dtype = resolve_dtype(dtype, torch.device("cpu" if device_bytes is None else "cuda"),
+                                hf_config)
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+    with torch.device("meta"):         # the engine's own modules, shapes only: no memory
+        meta = get_model_class(hf_config)(hf_config)
+    num_params = checkpoint and checkpoint_num_params(checkpoint, meta.tie_word_embeddings)
+    params_from = "safetensors headers" if num_params else "config.json"
+    num_params = num_params or sum(p.numel() for p in meta.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in meta.buffers())
+    weight_bytes = (num_params * model_dtype.itemsize + buffer_bytes) / tp
+    shard = shard_for_tp(hf_config, tp)
+
+    # The engine's rule (ModelRunner._num_kv_blocks): a given pool size, or without a GPU a fixed
+    # default, is used as is; on a GPU the pool gets what weights and activations leave.
+    activation_bytes, activation_from = 0.0, "none: without a GPU nothing is profiled"
+    if device_bytes is not None and activation_reserve_gb is not None:
+        activation_bytes, activation_from = activation_reserve_gb * GiB, "given"
+    elif device_bytes is not None:
+        activation_bytes = estimate_activation_bytes(shard, model_dtype, max_num_batched_tokens,
+                                                     max_num_seqs, block_size)
+        activation_from = f"estimated profile: a forward of {max_num_batched_tokens} tokens"
+    if kv_cache_memory_gb is not None or device_bytes is None:
+        kv_budget = (kv_cache_memory_gb or CPU_KV_CACHE_GB) * GiB
+        kv_budget_from = ("kv_cache_memory_gb" if kv_cache_memory_gb is not None
+                          else f"the engine's CPU default, {CPU_KV_CACHE_GB} GiB")
+    else:
+        kv_budget = kv_cache_memory_budget(device_bytes, gpu_memory_utilization, weight_bytes,
+                                           activation_bytes)
+        kv_budget_from = "device x utilisation - weights - reserve"
+    num_blocks = max(0, num_blocks_for_memory(kv_budget, shard, kv_dtype, block_size))
+    resolved = config.resolve(max_position_embeddings=max_len_of(meta), num_kv_blocks=None)
+    return MemoryReport(
+        model=model, dtype=model_dtype, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
+        num_params=num_params, params_from=params_from, buffer_bytes=buffer_bytes,
+        weight_bytes=weight_bytes, device_bytes=device_bytes,
+        gpu_memory_utilization=gpu_memory_utilization, activation_bytes=activation_bytes,
+        activation_from=activation_from, kv_budget_bytes=kv_budget, kv_budget_from=kv_budget_from,
+        num_layers=shard.num_hidden_layers, num_kv_heads=shard.num_key_value_heads,
+        head_dim=head_dim_of(shard),
+        kv_bytes_per_token=kv_cache_bytes_per_token(shard, kv_dtype), block_size=block_size,
+        num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs)
+
+
+def verdict(r: MemoryReport) -> str:
+    if r.kv_budget_bytes <= 0:
+        return (f"does not fit: weights and activations alone exceed {_gib(r.limit_bytes)}; "
+                f"try a larger --tensor-parallel-size, a smaller --dtype or a bigger GPU")
+    if r.used_bytes > r.limit_bytes + 1:     # + 1: float rounding when the pool fills the rest
+        return (f"does not fit: weights + reserve + the KV pool take {_gib(r.used_bytes)} of "
+                f"{_gib(r.limit_bytes)}; lower --kv-cache-memory-gb")
+    if r.num_seqs == 0:
+        return (f"does not fit: one sequence of max_model_len {r.max_model_len} needs "
+                f"{r.blocks_per_seq} blocks, the pool has {r.num_blocks}; the largest "
+                f"max_model_len that fits is {r.num_blocks * r.block_size}")
+    return f"fits: {r.num_seqs} sequences of max_model_len {r.max_model_len} at once"
+
+
+def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
+    tp = r.tensor_parallel_size
+    per_gpu = f" per GPU (TP {tp}: weights and KV heads split {tp} ways)" if tp > 1 else ""
+    table = Table(title=f"nanoserve memory · {r.model}{per_gpu}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_column(style="dim")
+    item = r.dtype.itemsize
+    if r.device_bytes is None:
+        device = ("no GPU", "the engine's CPU rule: a fixed KV pool (pass --device-memory-gb to "
+                  "size a GPU)")
+    else:
+        device = (_gib(r.limit_bytes), f"{_gib(r.device_bytes)} x gpu_memory_utilization "
+                  f"{r.gpu_memory_utilization}")
+    rows = [
+        ("device", *device),
+        ("weights", _gib(r.weight_bytes),
+         f"{r.num_params:,} params x {item} bytes ({str(r.dtype)[6:]}, from {r.params_from})"
+         f" + {r.buffer_bytes / 2**20:.1f} MiB RoPE tables" + (f", / {tp} GPUs" if tp > 1 else "")),
+        ("activation reserve", _gib(r.activation_bytes), r.activation_from),
+        ("KV cache budget", _gib(r.kv_budget_bytes), r.kv_budget_from),
+        ("KV bytes / token", f"{r.kv_bytes_per_token:,}",
+         f"2 x {r.num_layers} layers x {r.num_kv_heads} kv_heads x {r.head_dim} head_dim x "
+         f"{r.kv_cache_dtype.itemsize} bytes ({str(r.kv_cache_dtype)[6:]})"),
+        ("KV bytes / block", f"{r.kv_bytes_per_token * r.block_size:,}",
+         f"x block_size {r.block_size}"),
+        ("blocks", f"{r.num_blocks:,}", "KV cache budget // bytes per block"),
+        ("tokens in the cache", f"{r.num_blocks * r.block_size:,}", "blocks x block_size"),
+        ("sequences at once", f"{r.num_seqs:,}",
+         f"of max_model_len {r.max_model_len} ({r.blocks_per_seq} blocks each)"
+         + (f"; the scheduler runs at most max_num_seqs {r.max_num_seqs}"
+            if r.num_seqs > r.max_num_seqs else "")),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console = console or Console()
+    console.print(table)
+    style = "bold green" if verdict(r).startswith("fits") else "bold red"
+    console.print(verdict(r), style=style)
+
+
+def plot_memory(r: MemoryReport, path: str) -> None:
+    """Memory, stacked (weights, reserve, KV cache) against the limit (dashed). Left: against
+    context length, for as many sequences as fit at max_model_len; right: against the number
+    of sequences of max_model_len. The dotted line marks the configured point."""
+    block_bytes = r.kv_bytes_per_token * r.block_size
+    batch = max(r.num_seqs, 1)
+    step = max(r.block_size, r.max_model_len // 64)
+    contexts = list(range(r.block_size, 2 * r.max_model_len + 1, step))
+    batches = list(range(1, 2 * batch + 2))
+    fig = Figure(figsize=(12, 4.5), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    panels = ((left, contexts, [batch * -(-c // r.block_size) * block_bytes for c in contexts],
+               f"context length (tokens) of {batch} sequence(s)", r.max_model_len),
+              (right, batches, [b * r.blocks_per_seq * block_bytes for b in batches],
+               f"sequences of max_model_len {r.max_model_len}", batch))
+    for ax, xs, kv, xlabel, mark in panels:
+        ax.stackplot(xs, [r.weight_bytes / GiB] * len(xs), [r.activation_bytes / GiB] * len(xs),
+                     [k / GiB for k in kv], labels=["weights", "activation reserve", "KV cache"],
+                     colors=["#4c72b0", "#dd8452", "#55a868"], alpha=0.85)
+        ax.axhline(r.limit_bytes / GiB, color="black", linestyle="--",
+                   label=f"limit {r.limit_bytes / GiB:.1f} GiB")
+        ax.axvline(mark, color="grey", linestyle=":")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("GiB" + (" per GPU" if r.tensor_parallel_size > 1 else ""))
+        ax.set_ylim(0, 1.3 * max(r.limit_bytes, r.weight_bytes + r.activation_bytes + kv[-1]) / GiB)
+        ax.legend(loc="upper left", fontsize="small", ncol=2)
+    fig.suptitle(f"{r.model}: {verdict(r)}", fontsize="medium")
+    fig.savefig(path, dpi=120)
+
+
+def main(plot: Optional[str] = None, **kwargs) -> None:
+    report = memory_report(**kwargs)
+    print_report(report)
+    if plot:
+        plot_memory(report, plot)
+        print(f"wrote {plot}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
