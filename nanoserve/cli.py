@@ -8,6 +8,8 @@
     nanoserve trace run.jsonl --step 12                   # replay a --trace file (replay.py)
     nanoserve memory path/to/checkpoint --device-memory-gb 80   # do weights + KV cache fit?
     nanoserve cost --prices examples/prices.json --requests-per-day 1e5 ...  # self-host or API?
+    nanoserve bench --dtype bfloat16                      # offline throughput vs the matmul peak
+    nanoserve exercise check 3.3                          # a lesson's build exercise (lessons/)
 
 Every Config field is a flag (`--max-model-len`, `--block-size`, `--trace run.jsonl`, ...),
 generated from config.py, so a new field needs no code here.
@@ -64,6 +66,29 @@ def _memory(args: argparse.Namespace) -> None:
 def _cost(args: argparse.Namespace) -> None:
     from nanoserve.cost import main as cost
     cost(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from nanoserve import bench
+    config = {k: v for k, v in vars(args).items()
+              if k in {f.name for f in dataclasses.fields(Config)} and k not in ("model", "dtype")}
+    bench.main(args.model, args.num_prompts, args.input_len, args.output_len, args.dtype, **config)
+
+
+def _exercise(args: argparse.Namespace) -> None:
+    # The lessons are not part of the package: look in the working directory (a checkout),
+    # then beside the package (an editable install).
+    import importlib.util
+    from pathlib import Path
+    paths = [root / "lessons" / "checks.py" for root in (Path.cwd(), Path(__file__).parents[1])]
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
+        raise ValueError("lessons/checks.py not found: run `nanoserve exercise` in the nanoserve "
+                         "repository")
+    spec = importlib.util.spec_from_file_location("lessons_checks", path)
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    sys.exit(checks.main(args.action, args.id, args.solution))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +168,24 @@ def build_parser() -> argparse.ArgumentParser:
     cst.add_argument("--plot", metavar="FILE", help="Write a figure of both monthly costs "
                      "against requests per day.")
     cst.set_defaults(func=_cost)
+
+    bch = sub.add_parser("bench", help="Offline throughput on the standard workload (random "
+                         "SmolLM2-135M-shaped weights unless --model), against the matmul peak.")
+    bch.add_argument("--num-prompts", type=int, default=64, help="Requests in the workload.")
+    bch.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
+                     help="Prompt lengths, uniform in [MIN, MAX].")
+    bch.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"),
+                     help="Output lengths, uniform in [MIN, MAX].")
+    Config.add_cli_args(bch)
+    bch.set_defaults(func=_bench, model=None, kv_cache_memory_gb=4.0, max_model_len=1024)
+
+    exe = sub.add_parser("exercise", help="Check a lesson's build exercise: your file in "
+                         "lessons/exercises/ against the exercise's oracle.")
+    exe.add_argument("action", choices=("list", "check"), help="list the exercises, or check one.")
+    exe.add_argument("id", nargs="?", help="The exercise to check, e.g. 3.3.")
+    exe.add_argument("--solution", action="store_true",
+                     help="Check the reference solution in lessons/solutions/ instead.")
+    exe.set_defaults(func=_exercise)
     return parser
 
 

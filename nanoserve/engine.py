@@ -44,6 +44,10 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
                                                config.enable_prefix_caching, self.tracer)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.tracer)
+        # Where the time goes (seconds, summed over steps); `nanoserve bench` prints them.
+        self.timings = self.runner.timings
+        self.timings.update(schedule=0.0, update=0.0)
+        self.num_batched_requests = 0       # summed over steps: / steps = mean batch size
         if self.tracer.enabled:
             self.tracer.emit("config", **dataclasses.asdict(config))
             self.tracer.flush()
@@ -63,6 +67,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.requests:
             return []
+        self.timings["schedule"] += time.perf_counter() - start
+        self.num_batched_requests += len(scheduler_output.requests)
         try:
             sampled, logprobs = self.runner.execute_model(scheduler_output)
         except Exception as e:
@@ -74,7 +80,9 @@ class EngineCore:
             failed = [r.request_id for r in scheduler_output.requests]
             self.scheduler.abort(failed)
             raise EngineStepError(failed, e) from e
+        update_start = time.perf_counter()
         outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
+        self.timings["update"] += time.perf_counter() - update_start
         if self.config.debug:
             self._debug(scheduler_output, time.perf_counter() - start)
         if self.tracer.enabled:

@@ -24,6 +24,7 @@ model.safetensors.index.json) and tokenizer files, from a directory, the built-i
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -157,6 +158,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.config.num_kv_blocks)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.generators: dict[str, torch.Generator] = {}   # request id -> its seeded generator
+        self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # seconds, summed
 
     def _load_model(self) -> torch.nn.Module:
         model_class = get_model_class(self.hf_config)
@@ -256,11 +258,18 @@ class ModelRunner:
         """Run one step. Returns ({request id: sampled token}, {request id: TokenLogprobs})."""
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
+        start = time.perf_counter()
         input_ids, positions, meta, logits_indices, sampling = self.prepare_inputs(out)
+        forward_start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.timings["prepare"] += forward_start - start
         if not sampling:
+            self.timings["forward"] += time.perf_counter() - forward_start
             return {}, {}
         logits = self.model.compute_logits(hidden[logits_indices])
+        # On CUDA the forward runs asynchronously: its time lands in "sample", at the sync.
+        sample_start = time.perf_counter()
+        self.timings["forward"] += sample_start - forward_start
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling], [self._generator(r) for r in sampling],
@@ -268,7 +277,9 @@ class ModelRunner:
         result = self.sampler(logits, metadata)
         ids = [r.request_id for r in sampling]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return dict(zip(ids, result.sampled_token_ids.tolist())), logprobs
+        sampled = dict(zip(ids, result.sampled_token_ids.tolist()))
+        self.timings["sample"] += time.perf_counter() - sample_start
+        return sampled, logprobs
 
     def _generator(self, request) -> Optional[torch.Generator]:
         seed = request.sampling_params.seed

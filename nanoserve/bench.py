@@ -1,0 +1,135 @@
+"""bench.py: `nanoserve bench`, the standard offline throughput workload, and how close it runs
+to the machine's limit.
+
+    nanoserve bench                              # SmolLM2-135M-shaped random weights, float32
+    nanoserve bench --dtype bfloat16 --num-prompts 16 --output-len 32 64
+
+The default workload (the one scripts/bench_offline.py and scripts/compare_vllm.py run):
+64 requests, prompt lengths uniform in [32, 512], output lengths uniform in [32, 256],
+random token ids (seed 0), greedy, ignore_eos, on random weights with SmolLM2-135M's shape.
+It prints output tokens/s, the mean batch size, where each step's time went, and the
+model's useful FLOP/s as a fraction of this machine's matmul peak, measured in the same
+run with the same dtype and threads: the fraction says how much speed is left to find.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    architectures=["LlamaForCausalLM"])
+DEFAULT_CHECKPOINT = Path("/tmp/nanoserve-bench-smollm2-135m")
+
+
+def make_checkpoint(path: Path = DEFAULT_CHECKPOINT) -> Path:
+    """Random SmolLM2-135M-shaped weights plus a word-level tokenizer, saved once, loaded by
+    the real loader (no hub needed)."""
+    if (path / "model.safetensors").is_file():
+        return path
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(SMOLLM2_135M["vocab_size"])},
+                                     unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0").save_pretrained(path)
+    return path
+
+
+def make_workload(num_prompts: int = 64, input_len=(32, 512), output_len=(32, 256),
+                  vocab_size: int = SMOLLM2_135M["vocab_size"], seed: int = 0):
+    """(prompts as token id lists, output lengths): the same for every engine, given the seed."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*input_len))]
+               for _ in range(num_prompts)]
+    return prompts, [rng.randint(*output_len) for _ in range(num_prompts)]
+
+
+def useful_flops(hf_config, prompts, output_lens) -> float:
+    """FLOPs the workload needs at the least: 2 per weight per token through the layers, the
+    LM head once per output token, and QK^T + PV attention over each token's context
+    (recomputation after preemption does not count)."""
+    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    kv = hf_config.num_key_value_heads * head_dim
+    per_layer = h * (heads * head_dim + 2 * kv) + heads * head_dim * h + 3 * h * hf_config.intermediate_size
+    total = 0.0
+    for prompt, out in zip(prompts, output_lens):
+        fed = len(prompt) + out - 1                  # the last sampled token is never fed back
+        total += 2 * per_layer * layers * fed + 2 * h * hf_config.vocab_size * out
+        total += 4 * layers * heads * head_dim * fed * (fed + 1) / 2
+    return total
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
+    """This machine's sustained matmul FLOP/s in `dtype` (best of a few n x n x n products)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_bench(model: str | None = None, num_prompts: int = 64, input_len=(32, 512),
+              output_len=(32, 256), dtype: str = "float32", **config) -> dict:
+    from nanoserve.engine import LLM
+    from nanoserve.sampling_params import SamplingParams
+    path = model or str(make_checkpoint())
+    config = {"kv_cache_memory_gb": 4, "max_model_len": 1024, **config}
+    llm = LLM(path, dtype=dtype, **config)
+    prompts, output_lens = make_workload(num_prompts, input_len, output_len,
+                                         llm.engine.runner.vocab_size)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), progress=False)
+    engine = llm.engine
+    engine.timings.update(dict.fromkeys(engine.timings, 0.0))
+    steps_before, batched_before = engine.scheduler.num_steps, engine.num_batched_requests
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in output_lens]
+    elapsed = _timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                          progress=False))
+    steps = engine.scheduler.num_steps - steps_before
+    flops = useful_flops(engine.runner.hf_config, prompts, output_lens)
+    return {"requests": num_prompts, "prompt_tokens": sum(map(len, prompts)),
+            "output_tokens": sum(output_lens), "elapsed_s": elapsed,
+            "output_tok_s": sum(output_lens) / elapsed, "steps": steps,
+            "mean_batch_size": (engine.num_batched_requests - batched_before) / steps,
+            "ms_per_step": {k: 1e3 * v / steps for k, v in engine.timings.items()},
+            "model_flop_s": flops / elapsed,
+            "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads()}
+
+
+def main(model=None, num_prompts=64, input_len=(32, 512), output_len=(32, 256),
+         dtype="float32", **config) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+    result = run_bench(model, num_prompts, tuple(input_len), tuple(output_len), dtype, **config)
+    peak = matmul_peak(getattr(torch, result["dtype"]))
+    table = Table(title=f"nanoserve bench: {result['requests']} requests, {result['dtype']}, "
+                        f"{result['threads']} threads")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [("output tokens/s", f"{result['output_tok_s']:.1f}"),
+            ("prompt / output tokens", f"{result['prompt_tokens']} / {result['output_tokens']}"),
+            ("elapsed", f"{result['elapsed_s']:.1f} s"), ("steps", str(result["steps"])),
+            ("mean batch size", f"{result['mean_batch_size']:.1f} requests/step")]
+    rows += [(f"ms/step: {k}", f"{v:.2f}") for k, v in result["ms_per_step"].items()]
+    rows += [("model FLOP/s", f"{result['model_flop_s'] / 1e9:.1f} GFLOP/s"),
+             ("matmul peak (same run)", f"{peak / 1e9:.1f} GFLOP/s"),
+             ("fraction of peak", f"{result['model_flop_s'] / peak:.2f}")]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+    return {**result, "matmul_peak_flop_s": peak}
