@@ -7,6 +7,8 @@ engine. Then one `AsyncLLM.generate` stream per prompt (choice k of prompt i is 
 drained by tasks into one queue (`Generation`, which also times tokens for /metrics), answered as
 one JSON body or as Server-Sent Events. A client that leaves cancels the drain tasks; cancelling
 `generate` aborts the request, whose blocks the engine frees before its next step.
+
+Lesson: lessons/01-the-map.md
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ changed again. Every field carries its default and its help text, so the CLI fla
     ValueError: block_size must be a positive integer (got 0)
 
 This module must not import torch: the CLI, the calculators and the trace replay read it.
+Lessons: lessons/06-length-and-memory.md, lessons/07-sampling-and-config.md
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ simply stays in the scheduler for the next step. The core speaks token ids only;
 (and the server's AsyncLLM) tokenize prompts and turn token ids back into text
 (output_processor.py). An n > 1 request becomes n child requests with the same prompt,
 which share the prompt's KV blocks through the prefix cache, as in vLLM V1.
+
+Lesson: lessons/01-the-map.md
 """
 
 from __future__ import annotations

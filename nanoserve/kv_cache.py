@@ -22,6 +22,7 @@ whole prefix up to its end, so equal hashes mean equal prefixes. It is stable ac
 processes and runs, unlike Python's `hash()`. Only full blocks are hashed.
 
 Run the property tests: `pytest tests/test_kv_cache.py`.
+Lessons: lessons/02-paged-attention.md, lessons/04-preemption.md, lessons/05-prefix-caching.md
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ torch versions below, which are also the reference the kernels are tested agains
 
 Run the oracle tests (paged attention == dense scaled_dot_product_attention):
     pytest -q tests/test_paged_attention.py
+
+Lesson: lessons/02-paged-attention.md
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ penalties + argmax. Worked example, one row, temperature 0.5, top_k 2:
 
 The worker builds `SamplingMetadata.from_requests(...)` once per step, then calls `Sampler()`.
 Tests: pytest -x -q tests/test_sampler.py
+Lesson: lessons/07-sampling-and-config.md
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ stop_token_ids, max_tokens, max_model_len; none before min_tokens) and frees fin
 requests' blocks. Stop *strings* are text, so the front end checks them and aborts.
 
 Run the tests: `pytest tests/test_scheduler.py`; the speed: `python scripts/bench_scheduler.py`.
+Lessons: lessons/03-continuous-batching.md, lessons/04-preemption.md
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ short of its prompt's end computes K/V and nothing else.
 Loading follows HF's format: config.json, *.safetensors (one file, or shards with
 model.safetensors.index.json) and tokenizer files, from a directory, the built-in
 `nanoserve-tiny`, or a hub id when the hub is reachable.
+
+Lesson: lessons/06-length-and-memory.md
 """
 
 from __future__ import annotations

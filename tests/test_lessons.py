@@ -1,0 +1,180 @@
+"""The lessons (lessons/): every code citation resolves, every command runs in bounded time,
+every image is regenerable, every exercise check passes on its solution and fails on its
+starter saying what to implement, and the layer files and the READMEs point to the lessons.
+
+The commands are the lessons' own, run through the same parser and runner as
+scripts/make_lesson_assets.py (the outputs in the lessons are not compared: they are whatever
+that script last recorded, and timings differ from run to run)."""
+
+import ast
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"_test_{path.stem}", path)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+assets = _load(ROOT / "scripts" / "make_lesson_assets.py")
+checks = _load(ROOT / "lessons" / "checks.py")
+
+LESSONS = assets.lesson_files()
+PARTS = ("## The idea", "## Read the code", "## Run it", "## Exercises")
+CITATION = re.compile(r"`(nanoserve/[\w/]+\.py):([\w.]+)`")
+EXERCISE = re.compile(r"^### Exercise (\d)\.(\d) \((predict, then check|build)\)", re.M)
+# The layer files each lesson is about: their module docstrings point back to it.
+LAYERS = {"api.py": [1], "engine.py": [1], "kv_cache.py": [2, 4, 5], "paged_attention.py": [2],
+          "scheduler.py": [3, 4], "config.py": [6, 7], "worker.py": [6], "sampler.py": [7]}
+COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
+TOTAL_LIMIT_S = 300         # every command and image of all seven lessons together
+seconds_per_lesson: dict[str, float] = {}
+
+
+def section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    following = [text.index(h) for h in PARTS if h in text and text.index(h) > start]
+    return text[start:min(following, default=len(text))]
+
+
+def defines(path: Path, dotted: str) -> bool:
+    """Whether the file defines `dotted` (a function, class or assignment; Class.member)."""
+    body = ast.parse(path.read_text()).body
+    for name in dotted.split("."):
+        found = None
+        for node in body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                     ast.ClassDef)) else []
+            if isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            if name in names:
+                found = node
+        if found is None:
+            return False
+        body = getattr(found, "body", [])
+    return True
+
+
+def test_seven_lessons_each_with_the_four_parts():
+    assert [p.name[:2] for p in LESSONS] == ["01", "02", "03", "04", "05", "06", "07"]
+    for path in LESSONS:
+        text = path.read_text()
+        positions = [text.find(h) for h in PARTS]
+        assert -1 not in positions and positions == sorted(positions), f"{path.name}: {PARTS}"
+        assert len(CITATION.findall(section(text, "## Read the code"))) >= 5, path.name
+        run = assets.parse(section(text, "## Run it").splitlines())
+        assert any(p.kind == "command" for p in run), f"{path.name}: no command to run"
+        assert any(p.kind == "image" for p in run), f"{path.name}: no replay frame or figure"
+        kinds = [k for _, _, k in EXERCISE.findall(section(text, "## Exercises"))]
+        assert len(kinds) >= 3 and set(kinds) == {"predict, then check", "build"}, path.name
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_every_citation_resolves(path):
+    citations = CITATION.findall(path.read_text())
+    missing = [f"{f}:{s}" for f, s in citations
+               if not (ROOT / f).is_file() or not defines(ROOT / f, s)]
+    assert not missing, f"{path.name} cites code that does not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_every_command_runs(path, tmp_path):
+    """Every command and image of the lesson, in order (later ones read earlier traces)."""
+    total = 0.0
+    for part in assets.parse(path.read_text().splitlines()):
+        if part.kind == "image":
+            seconds = assets.make_image(part, tmp_path / Path(part.image).name, COMMAND_LIMIT_S)
+            assert (tmp_path / Path(part.image).name).stat().st_size > 1000, part.command
+        else:
+            code, out, seconds = assets.run(part.command, COMMAND_LIMIT_S)
+            if part.expects_error:     # the lesson shows an error on purpose: it must still be one
+                assert code != 0 and "error:" in out.splitlines()[-1], (part.command, out)
+            else:
+                assert code == 0, f"{part.command}\n{out}"
+        assert seconds < COMMAND_LIMIT_S, part.command
+        total += seconds
+    seconds_per_lesson[path.name] = total
+
+
+def test_all_commands_within_the_total_budget():
+    if len(seconds_per_lesson) < len(LESSONS):
+        pytest.skip("needs every lesson's commands to have run in this session")
+    assert sum(seconds_per_lesson.values()) < TOTAL_LIMIT_S, seconds_per_lesson
+
+
+def test_images_are_in_the_repo_and_regenerable():
+    referenced = set()
+    for path in LESSONS:
+        text = path.read_text()
+        marked = {p.image for p in assets.parse(text.splitlines()) if p.kind == "image"}
+        refs = set(assets.IMAGE_REF.findall(text))
+        assert refs == marked, f"{path.name}: images without an <!-- image: --> marker"
+        referenced |= refs
+    for image in referenced:
+        assert (ROOT / "lessons" / image).stat().st_size > 1000, image
+    on_disk = {f"img/{p.name}" for p in (ROOT / "lessons" / "img").iterdir()}
+    assert on_disk == referenced, f"unreferenced images: {on_disk - referenced}"
+
+
+def test_build_exercises_are_the_checked_ones():
+    built = {f"{n}.{k}" for p in LESSONS for n, k, kind in EXERCISE.findall(p.read_text())
+             if kind == "build"}
+    assert built == set(checks.EXERCISES)
+    for eid in checks.EXERCISES:
+        lesson = next(p for p in LESSONS if p.name.startswith(f"0{eid[0]}"))
+        assert f"nanoserve exercise check {eid}" in lesson.read_text(), eid
+        assert checks.path_of(eid).is_file() and checks.path_of(eid, solution=True).is_file()
+
+
+@pytest.mark.parametrize("eid", list(checks.EXERCISES))
+def test_exercise_passes_on_its_solution(eid):
+    said = []
+    assert checks.check(eid, solution=True, say=said.append), "\n".join(said)
+
+
+@pytest.mark.parametrize("eid", list(checks.EXERCISES))
+def test_unimplemented_starter_fails_saying_what_to_implement(eid):
+    said = []
+    assert not checks.check(eid, say=said.append)
+    assert "not implemented yet: implement" in "\n".join(said), said
+
+
+def test_cli_exercise_check(capsys, monkeypatch):
+    from nanoserve.cli import main
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as passed:
+        main(["exercise", "check", "7.3", "--solution"])
+    with pytest.raises(SystemExit) as failed:
+        main(["exercise", "check", "7.3"])
+    out = capsys.readouterr().out
+    assert (passed.value.code, failed.value.code) == (0, 1)
+    assert "passed" in out and "not implemented yet" in out
+    with pytest.raises(SystemExit, match="exercise must be one of"):
+        main(["exercise", "check", "9.9"])
+
+
+def test_layer_files_and_lessons_point_to_each_other():
+    for name, numbers in LAYERS.items():
+        doc = ast.get_docstring(ast.parse((ROOT / "nanoserve" / name).read_text()))
+        for n in numbers:
+            lesson = next(p for p in LESSONS if p.name.startswith(f"0{n}"))
+            assert f"lessons/{lesson.name}" in doc, f"{name}'s docstring lacks {lesson.name}"
+            assert f"nanoserve/{name}:" in lesson.read_text(), f"{lesson.name} cites no {name}"
+
+
+def test_readmes_link_every_lesson():
+    readme = (ROOT / "README.md").read_text()
+    index = (ROOT / "lessons" / "README.md").read_text()
+    for path in LESSONS:
+        assert f"(lessons/{path.name})" in readme, f"README.md does not link {path.name}"
+        assert f"({path.name})" in index, f"lessons/README.md does not link {path.name}"
