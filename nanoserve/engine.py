@@ -93,7 +93,6 @@ class EngineCore:
             self.tracer.flush()
         return outputs
 
-
     def _debug(self, out, duration: float) -> None:
         pool = self.kv_cache_manager.pool
         print(f"step {self.scheduler.num_steps}: {len(out.requests)} reqs, "

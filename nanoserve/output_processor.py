@@ -11,12 +11,12 @@ CPU work that must not slow the step loop), turns each step's new tokens into:
   one (unless include_stop_str_in_output), and the caller aborts the request in the
   engine. While streaming, the last len(longest stop) - 1 characters are held back, so a
   client never sees the start of a stop string that is then cut;
-- `RequestOutput`s in vLLM's shape; an n > 1 request gathers its n children's completions.
+- `RequestOutput`s in vLLM's shape (the engine gathers an n > 1 request's n children).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from nanoserve.sampling_params import SamplingParams
@@ -55,7 +55,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    metrics: dict = field(default_factory=dict)
 
 
 class IncrementalDetokenizer:
