@@ -23,7 +23,8 @@ tokens are read back through the cache like any other: one code path for all thr
 
 `store_kv` / `paged_attention` dispatch on the device: CUDA tensors go to the Triton kernels in
 paged_attention_triton.py (imported lazily, so CPU never needs Triton), everything else to the
-torch versions below, which are also the reference the kernels are tested against.
+torch versions below, which are also the reference the kernels are tested against. On CPU, decode
+tokens go to a small C kernel (paged_attention_cpu.py) that reads the cache in place.
 
 Run the oracle tests (paged attention == dense scaled_dot_product_attention):
     pytest -q tests/test_paged_attention.py
@@ -137,18 +138,45 @@ def paged_attention_torch(
     64 decodes of 64..768 tokens, the loop is ~4x faster, since it never moves padding and each
     request's K/V stays in cache between the copy and the attention.
     """
-    md = attn_metadata
     out = torch.empty_like(query)
+    attend_each(query, out, k_cache, v_cache, attn_metadata, scale, range(attn_metadata.num_reqs))
+    return out
+
+
+def attend_each(query: Tensor, out: Tensor, k_cache: Tensor, v_cache: Tensor,
+                attn_metadata: AttentionMetadata, scale: float, requests) -> None:
+    """paged_attention_torch's loop, for the request indices in `requests`, into `out`."""
+    md = attn_metadata
     qsl, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()  # one sync for all
     # Per-layer work hoisted out of the loop: each op saved here is saved num_reqs times.
     block_size, kv_shape = k_cache.shape[1], k_cache.shape[2:]
     k_rows, v_rows = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
     block_tables = md.block_tables.long()
-    for i, seq_len in enumerate(seq_lens):
+    for i in requests:
+        seq_len = seq_lens[i]
         block_ids = block_tables[i, : -(-seq_len // block_size)]
         k = _gather_kv(k_rows, block_ids, seq_len, kv_shape)
         v = _gather_kv(v_rows, block_ids, seq_len, kv_shape)
         out[qsl[i]:qsl[i + 1]] = _attend_one(query[qsl[i]:qsl[i + 1]], k, v, scale)
+
+
+def paged_attention_cpu(
+    query: Tensor, k_cache: Tensor, v_cache: Tensor, attn_metadata: AttentionMetadata, scale: float
+) -> Tensor:
+    """paged_attention_torch, except that decode tokens (query_len 1) go to the C kernel of
+    paged_attention_cpu.py when it is available: it reads their K/V in place, without the copy."""
+    from nanoserve.paged_attention_cpu import decode_attention_cpu
+
+    md = attn_metadata
+    out = torch.empty_like(query)
+    query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
+    is_decode = query_lens == 1
+    decodes = is_decode.nonzero().flatten()
+    done = decodes.numel() > 0 and decode_attention_cpu(
+        query, out, k_cache, v_cache, md.query_start_loc[decodes], md.block_tables[decodes],
+        md.seq_lens[decodes], scale)
+    rest = (~is_decode).nonzero().flatten().tolist() if done else range(md.num_reqs)
+    attend_each(query, out, k_cache, v_cache, md, scale, rest)
     return out
 
 
@@ -173,4 +201,4 @@ def paged_attention(
         from nanoserve.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, attn_metadata, scale)
-    return paged_attention_torch(query, k_cache, v_cache, attn_metadata, scale)
+    return paged_attention_cpu(query, k_cache, v_cache, attn_metadata, scale)

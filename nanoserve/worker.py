@@ -25,7 +25,9 @@ Lesson: lessons/06-length-and-memory.md
 
 from __future__ import annotations
 
+import ctypes
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -40,6 +42,24 @@ from nanoserve.scheduler import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_GB = 1.0     # the CPU default: room for ~45k tokens of nanoserve-tiny, fits a laptop
+
+
+def keep_freed_memory() -> None:
+    """Ask glibc (Linux) to keep freed activation memory for reuse instead of unmapping it.
+
+    Why: a 2048-token prefill allocates and frees activations of up to ~25 MB in every layer.
+    By default glibc serves big blocks with fresh mmap()s and gives them back on free(), so each
+    such step pays ~350k page faults (~0.3 s of a 2.4 s prefill step on the bench model). With
+    the mmap threshold at glibc's 32 MiB maximum and trimming only above 1 GiB, memory is reused."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl): nothing to tune
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)
+    libc.mallopt(m_trim_threshold, 2**30)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -144,6 +164,8 @@ class ModelRunner:
         device = config.device if config.device != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.model = self._load_model()
         self.vocab_size = self.hf_config.vocab_size

@@ -8,10 +8,15 @@ rows of this step's tokens.
     pytest -q tests/test_paged_attention.py
 """
 
+import os
+import shutil
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve import paged_attention_cpu
 from nanoserve.paged_attention import (
     AttentionMetadata,
     paged_attention,
@@ -96,15 +101,38 @@ def test_paged_attention_matches_dense_sdpa(requests, num_q_heads, num_kv_heads,
     torch.testing.assert_close(out, _dense_reference(seqs, scale), atol=1e-5, rtol=1e-5)
 
 
-def test_paged_attention_bfloat16():
+@pytest.mark.parametrize("attention", [paged_attention_torch, paged_attention], ids=["torch", "dispatch"])
+def test_paged_attention_bfloat16(attention):
     gen = torch.Generator().manual_seed(0)
     q, k, v, k_cache, v_cache, md, seqs = _build_step(
         [(6, 1), (0, 5), (3, 4), (20, 1)], 4, 2, 4, 16, torch.bfloat16, gen
     )
     store_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)
-    out = paged_attention_torch(q, k_cache, v_cache, md, 0.25)
+    out = attention(q, k_cache, v_cache, md, 0.25)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), _dense_reference(seqs, 0.25), atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_decode_kernel_is_built_here():
+    # Without this, the tests above could pass on the torch fallback alone and never run the kernel.
+    if not sys.platform.startswith("linux") or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("the C decode-attention kernel needs Linux and a C compiler")
+    assert paged_attention_cpu.load() is not None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch-fallback"])
+def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, monkeypatch):
+    """SmolLM2-135M's attention shape (9 query heads on 3 KV heads, head_dim 64), long decodes
+    across many blocks beside a prefill, with and without the C kernel."""
+    if not use_kernel:
+        monkeypatch.setattr(paged_attention_cpu, "load", lambda: None)
+    gen = torch.Generator().manual_seed(1)
+    requests = [(199, 1), (0, 9), (64, 1), (15, 1), (33, 2), (130, 1)]
+    q, k, v, k_cache, v_cache, md, seqs = _build_step(requests, 16, 3, 9, 64, dtype, gen)
+    store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    out = paged_attention(q, k_cache, v_cache, md, 0.125)
+    torch.testing.assert_close(out.float(), _dense_reference(seqs, 0.125), atol=tol, rtol=tol)
 
 
 def test_store_kv_worked_example():

@@ -181,7 +181,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place on the fused product (ours to overwrite): a 2048-token prefill then makes no
+        # new [tokens, intermediate] activations here; down_proj reads the strided view as is.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
