@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from nanoserve.models import LlamaForCausalLM, get_model_class
+from nanoserve.models import llama
 from nanoserve.models.llama import head_dim_of, rope_parameters
 from nanoserve.paged_attention import AttentionMetadata
 
@@ -177,3 +178,25 @@ def test_rope_parameters_from_transformers_4_configs():
     plain = SimpleNamespace(rope_theta=1e6, rope_scaling=None)
     assert rope_parameters(plain) == {"rope_theta": 1e6, "rope_type": "default"}
     assert rope_parameters(LlamaConfig(**TINY, rope_theta=1e6))["rope_theta"] == 1e6  # transformers 5
+
+
+@pytest.mark.parametrize("rows", [8, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_linear_upcast_is_a_bf16_matmul(rows, bias, monkeypatch):
+    """On CPUs without AMX, 64+ bf16 rows are multiplied in float32: the same numbers as a
+    bf16 matmul (exact products, float32 sums), rounded to bf16 once."""
+    monkeypatch.setattr(llama, "BF16_UPCAST", True)
+    gen = torch.Generator().manual_seed(0)
+    layer = llama.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight_t.copy_(torch.randn(96, 40, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(40, generator=gen))
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    exact = x.double() @ layer.weight_t.double() + (layer.bias.double() if bias else 0)
+    native = torch.nn.functional.linear(x, layer.weight_t.t(), layer.bias)  # torch's own bf16 path
+    # Both are the float32 result rounded once to bf16: within one bf16 rounding of the exact value.
+    torch.testing.assert_close(out.double(), exact, atol=0.05, rtol=2**-8)
+    torch.testing.assert_close(out, native, atol=0.05, rtol=2**-7)
