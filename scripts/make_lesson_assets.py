@@ -17,7 +17,7 @@ A lesson (lessons/NN-*.md) has two kinds of generated parts:
 
 The parts run in document order, since later commands replay the traces earlier ones write.
 Every command runs with OMP_NUM_THREADS=1: on a shared machine one thread per process keeps
-step times steady, and a 3M-parameter model loses nothing by it. tests/test_lessons.py runs
+step times steady, and a 2M-parameter model loses nothing by it. tests/test_lessons.py runs
 every command through the same `parse` and `run`, so what a lesson shows is what CI runs.
 """
 

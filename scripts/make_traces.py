@@ -14,7 +14,7 @@ every machine (only the `t` and `duration_s` timings differ). The pools are tiny
   are prefilled in chunks next to running decodes.
 - preemption_storm: 8 requests that each grow to 6 KV blocks, in a pool of 16: the
   last-admitted request is preempted again and again, and resumes from the prefix cache.
-- prefix_caching: 8 questions after one shared 52-token system prompt: from the second
+- prefix_caching: 8 questions after one shared 51-token system prompt: from the second
   request on, the system prompt's blocks are prefix hits, shared by every running request.
 """
 
@@ -82,7 +82,7 @@ def main() -> None:
         parser.error(f"no trace named {', '.join(sorted(unknown))} "
                      f"(choose from {', '.join(TRACES)})")
     os.makedirs(args.out, exist_ok=True)
-    # One thread: a 3M-parameter model runs faster on one core than split over several,
+    # One thread: a 2M-parameter model runs faster on one core than split over several,
     # and its step times stay steady when other work shares the machine.
     torch.set_num_threads(1)
     # Warm up first (torch's first steps are slow), so the timings show scheduling, not that.
