@@ -6,7 +6,9 @@ tiny checkpoint: whatever the API does to a request, greedy text must come out t
 """
 
 import asyncio
+import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -40,18 +42,40 @@ def server(tmp_path_factory):
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     engine = AsyncLLM(str(path), **CONFIG)
+    with serve(engine, MODEL, KEY) as url:
+        yield SimpleNamespace(url=url, engine=engine, tokenizer=tokenizer, llm=LLM(str(path), **CONFIG),
+                              client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0))
+
+
+@contextlib.contextmanager
+def serve(engine, model_name, api_key=None):
+    """The app on a free local port, in a thread; yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL, api_key=KEY), log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, api_key=api_key), log_level="warning"))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     while not uv.started:
         time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(url=url, engine=engine, tokenizer=tokenizer, llm=LLM(str(path), **CONFIG),
-                          client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0))
-    uv.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+
+
+def test_builtin_model_tells_the_story_asked_for():
+    """nanoserve-tiny through /v1/chat/completions with the official client, as the README shows:
+    the reply is a story whose hero is the animal asked for, and it ends by itself (EOS)."""
+    with serve(AsyncLLM(), "nanoserve-tiny") as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+        for animal in ("cat", "owl"):
+            reply = client.chat.completions.create(
+                model="nanoserve-tiny", max_tokens=200, temperature=0.0,
+                messages=[{"role": "user", "content": f"Tell me a story about a {animal}."}]).choices[0]
+            hero = re.search(r"\ban? (?:\w+ )?(\w+) (?:named|called) [A-Z]", reply.message.content)
+            assert hero and hero.group(1) == animal, reply.message.content
+            assert reply.finish_reason == "stop", reply
 
 
 def offline(server, prompt, max_tokens, logprobs=None):
