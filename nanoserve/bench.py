@@ -70,7 +70,12 @@ def useful_flops(hf_config, prompts, output_lens) -> float:
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """This machine's sustained matmul FLOP/s in `dtype` (best of a few n x n x n products)."""
+    """This machine's sustained matmul FLOP/s for `dtype` weights (best of a few n x n x n
+    products), the way nanoserve multiplies big ones: bfloat16 on a CPU without AMX runs in
+    float32 (models/llama.py, Linear), so its peak is float32's."""
+    from nanoserve.models.llama import BF16_UPCAST
+    if dtype == torch.bfloat16 and BF16_UPCAST:
+        dtype = torch.float32
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
