@@ -37,6 +37,7 @@ import torch
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.models import get_model_class
 from nanoserve.paged_attention import AttentionMetadata
+from nanoserve.paged_attention_cpu import load as load_cpu_kernel
 from nanoserve.sampler import Sampler, SamplingMetadata
 from nanoserve.scheduler import SchedulerOutput
 
@@ -166,6 +167,7 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()
+            load_cpu_kernel()  # build it (or warn) now, not in the middle of the first decode
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.model = self._load_model()
         self.vocab_size = self.hf_config.vocab_size
