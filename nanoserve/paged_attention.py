@@ -34,7 +34,9 @@ Lesson: lessons/02-paged-attention.md
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,24 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    @functools.cached_property
+    def decodes(self) -> "DecodeRequests":
+        """This step's decode requests (query_len 1), as the CPU kernel takes them. Computed once
+        per step, on first use: every layer's attention reads the same split."""
+        is_decode = self.query_start_loc[1:] - self.query_start_loc[:-1] == 1
+        rows = is_decode.nonzero().flatten()
+        return DecodeRequests(token_index=self.query_start_loc[rows].to(torch.int32),
+                              block_tables=self.block_tables[rows].to(torch.int32),
+                              seq_lens=self.seq_lens[rows].to(torch.int32),
+                              others=(~is_decode).nonzero().flatten().tolist())
+
+
+class DecodeRequests(NamedTuple):
+    token_index: Tensor   # [n] int32: each decode's row in the flat batch
+    block_tables: Tensor  # [n, max_blocks_per_req] int32
+    seq_lens: Tensor      # [n] int32
+    others: list[int]     # indices of the requests that are not decodes
 
 
 # ----------------------------------------------------------------------------- torch (CPU + reference)
@@ -167,16 +187,12 @@ def paged_attention_cpu(
     paged_attention_cpu.py when it is available: it reads their K/V in place, without the copy."""
     from nanoserve.paged_attention_cpu import decode_attention_cpu
 
-    md = attn_metadata
-    out = torch.empty_like(query)
-    query_lens = md.query_start_loc[1:] - md.query_start_loc[:-1]
-    is_decode = query_lens == 1
-    decodes = is_decode.nonzero().flatten()
-    done = decodes.numel() > 0 and decode_attention_cpu(
-        query, out, k_cache, v_cache, md.query_start_loc[decodes], md.block_tables[decodes],
-        md.seq_lens[decodes], scale)
-    rest = (~is_decode).nonzero().flatten().tolist() if done else range(md.num_reqs)
-    attend_each(query, out, k_cache, v_cache, md, scale, rest)
+    md, out = attn_metadata, torch.empty_like(query)
+    decodes = md.decodes
+    done = decodes.token_index.numel() > 0 and decode_attention_cpu(
+        query, out, k_cache, v_cache, decodes.token_index, decodes.block_tables,
+        decodes.seq_lens, scale)
+    attend_each(query, out, k_cache, v_cache, md, scale, decodes.others if done else range(md.num_reqs))
     return out
 
 

@@ -89,8 +89,8 @@ def decode_attention_cpu(query: Tensor, out: Tensor, k_cache: Tensor, v_cache: T
                          scale: float) -> bool:
     """out[t] = attention of query[t] over its request's first seq_len cached tokens, for each
     decode token t in `token_index` (int32), with that request's `block_tables` row and `seq_lens`
-    (int32) in the same order. Returns False (out untouched) when the kernel is unavailable or
-    the shapes are outside what it supports; the caller then uses the torch path."""
+    (int32) in the same order. Returns False when the kernel is unavailable, the shapes are
+    outside what it supports, or it ran out of memory; the caller then uses the torch path."""
     kernel = load()
     if (kernel is None or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16)
             or k_cache.dtype != query.dtype or not (query.is_contiguous() and k_cache.is_contiguous()
