@@ -37,10 +37,11 @@ def test_bench_runs_end_to_end(checkpoint):
 FAULTS_SCRIPT = """
 import ctypes, resource, sys, torch
 from nanoserve.worker import keep_freed_memory
+# glibc's starting point, pinned: blocks over 128 KiB come from mmap and go back on free. (Left
+# alone, glibc's adaptive threshold lands anywhere between the two cases below, run to run.)
+ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
 if sys.argv[1] == "tuned":
-    keep_freed_memory()
-else:  # glibc's starting point, pinned: blocks over 128 KiB come from mmap and go back on free
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
+    keep_freed_memory()  # must override the pinned threshold, or this run faults like the other
 def layer():  # a 2048-token prefill layer's big activations (25, 13, 13, 25 MB), alive together
     alive = [torch.ones(2048, n) for n in (3072, 1536, 1536, 3072)]
     del alive
@@ -59,7 +60,8 @@ def test_keep_freed_memory_stops_page_faults():
         run = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT, mode], stdin=subprocess.DEVNULL,
                              capture_output=True, text=True, check=True)
         return int(run.stdout)
-    # Unmapped on free, 10 x 75 MB of fresh pages: ~180k faults. Kept for reuse: ~0. (Left
-    # alone, glibc's adaptive threshold lands anywhere between the two, run to run.)
-    assert faults("mmap") > 20_000
-    assert faults("tuned") < 1_000
+    # Unmapped on free, 10 x 75 MB of fresh pages: ~180k faults. Kept for reuse: ~0 here, a few
+    # thousand on some machines (torch's own small allocations), so the test asks for 20x fewer.
+    unmapped = faults("mmap")
+    assert unmapped > 20_000
+    assert faults("tuned") < unmapped / 20
