@@ -88,16 +88,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_bench(model: str | None = None, num_prompts: int = 64, input_len=(32, 512),
-              output_len=(32, 256), dtype: str = "float32", **config) -> dict:
+def make_bench_llm(model: str | None = None, dtype: str = "float32", **config):
+    """The engine the workload runs on (default: the SmolLM2-135M-shaped checkpoint), warmed up
+    with one short request so that no timed run pays for first-call set-up."""
     from nanoserve.engine import LLM
     from nanoserve.sampling_params import SamplingParams
-    path = model or str(make_checkpoint())
     config = {"kv_cache_memory_gb": 4, "max_model_len": 1024, **config}
-    llm = LLM(path, dtype=dtype, **config)
-    prompts, output_lens = make_workload(num_prompts, input_len, output_len,
-                                         llm.engine.runner.vocab_size)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), progress=False)
+    llm = LLM(model or str(make_checkpoint()), dtype=dtype, **config)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), progress=False)
+    return llm
+
+
+def time_workload(llm, prompts, output_lens) -> dict:
+    """One timed run of the workload on `llm`: throughput, steps and where each step's time went."""
+    from nanoserve.sampling_params import SamplingParams
     engine = llm.engine
     engine.timings.update(dict.fromkeys(engine.timings, 0.0))
     steps_before, batched_before = engine.scheduler.num_steps, engine.num_batched_requests
@@ -106,7 +110,7 @@ def run_bench(model: str | None = None, num_prompts: int = 64, input_len=(32, 51
                                           progress=False))
     steps = engine.scheduler.num_steps - steps_before
     flops = useful_flops(engine.runner.hf_config, prompts, output_lens)
-    return {"requests": num_prompts, "prompt_tokens": sum(map(len, prompts)),
+    return {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": sum(output_lens), "elapsed_s": elapsed,
             "output_tok_s": sum(output_lens) / elapsed, "steps": steps,
             "mean_batch_size": (engine.num_batched_requests - batched_before) / steps,
@@ -114,6 +118,15 @@ def run_bench(model: str | None = None, num_prompts: int = 64, input_len=(32, 51
             "model_flop_s": flops / elapsed,
             "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "threads": torch.get_num_threads()}
+
+
+def run_bench(model: str | None = None, num_prompts: int = 64, input_len=(32, 512),
+              output_len=(32, 256), dtype: str = "float32", **config) -> dict:
+    """The workload, once, on a fresh engine (so nothing is in its prefix cache)."""
+    llm = make_bench_llm(model, dtype, **config)
+    prompts, output_lens = make_workload(num_prompts, input_len, output_len,
+                                         llm.engine.runner.vocab_size)
+    return time_workload(llm, prompts, output_lens)
 
 
 def main(model=None, num_prompts=64, input_len=(32, 512), output_len=(32, 256),
