@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from nanoserve.sampling_params import SamplingParams
+
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                     max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
@@ -92,7 +94,6 @@ def make_bench_llm(model: str | None = None, dtype: str = "float32", **config):
     """The engine the workload runs on (default: the SmolLM2-135M-shaped checkpoint), warmed up
     with one short request so that no timed run pays for first-call set-up."""
     from nanoserve.engine import LLM
-    from nanoserve.sampling_params import SamplingParams
     config = {"kv_cache_memory_gb": 4, "max_model_len": 1024, **config}
     llm = LLM(model or str(make_checkpoint()), dtype=dtype, **config)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), progress=False)
@@ -101,7 +102,6 @@ def make_bench_llm(model: str | None = None, dtype: str = "float32", **config):
 
 def time_workload(llm, prompts, output_lens) -> dict:
     """One timed run of the workload on `llm`: throughput, steps and where each step's time went."""
-    from nanoserve.sampling_params import SamplingParams
     engine = llm.engine
     engine.timings.update(dict.fromkeys(engine.timings, 0.0))
     steps_before, batched_before = engine.scheduler.num_steps, engine.num_batched_requests

@@ -135,10 +135,15 @@ def gantt(trace: Trace) -> Figure:
                    ax.get_legend_handles_labels()[1] else None)
     ax.set_yticks(range(len(reqs)), [r.label for r in reqs])
     ax.invert_yaxis()
+    return _over_steps(fig, ax, "request", "requests over steps")
+
+
+def _over_steps(fig: Figure, ax, ylabel: str, title: str, legend_columns: int = 4) -> Figure:
+    """The common ending of the figures drawn over the step number: labels, legend below, title."""
     ax.set_xlabel("step")
-    ax.set_ylabel("request")
-    fig.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle("requests over steps")
+    ax.set_ylabel(ylabel)
+    fig.legend(loc="outside lower center", ncol=legend_columns, fontsize=8, frameon=False)
+    fig.suptitle(title)
     return fig
 
 
@@ -155,12 +160,8 @@ def kv_blocks(trace: Trace) -> Figure:
                  colors=["#8e44ad", "#58b368", "#e8e8e8"], step="mid")
     for i, s in enumerate(_preempt_steps(trace)):
         ax.axvline(s, color="red", lw=0.8, ls="--", label="preemption" if i == 0 else None)
-    ax.set_xlabel("step")
-    ax.set_ylabel("KV blocks")
     ax.set_ylim(0, trace.num_blocks)
-    fig.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"KV cache pool ({trace.num_blocks} blocks)")
-    return fig
+    return _over_steps(fig, ax, "KV blocks", f"KV cache pool ({trace.num_blocks} blocks)")
 
 
 def tokens(trace: Trace) -> Figure:
@@ -179,11 +180,7 @@ def tokens(trace: Trace) -> Figure:
         ax.set_ylim(0, trace.budget * 1.1)
     else:
         ax.set_title(f"{budget}: far above these bars", fontsize=9)
-    ax.set_xlabel("step")
-    ax.set_ylabel("tokens")
-    fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
-    fig.suptitle("tokens per step")
-    return fig
+    return _over_steps(fig, ax, "tokens", "tokens per step", legend_columns=3)
 
 
 def latency_cdf(trace: Trace) -> Figure:
