@@ -89,17 +89,16 @@ def decode_attention_cpu(query: Tensor, out: Tensor, k_cache: Tensor, v_cache: T
                          token_index: Tensor, block_tables: Tensor, seq_lens: Tensor,
                          scale: float) -> bool:
     """out[t] = attention of query[t] over its request's first seq_len cached tokens, for each
-    decode token t in `token_index` (int32), with that request's `block_tables` row and `seq_lens`
-    (int32) in the same order. Returns False when the kernel is unavailable, the shapes are
-    outside what it supports, or it ran out of memory; the caller then uses the torch path."""
+    decode token t in `token_index`, with that request's `block_tables` row and `seq_lens` in the
+    same order: contiguous int32, as `AttentionMetadata.decodes` makes them once per step. Returns
+    False when the kernel is unavailable, the shapes are outside what it supports, or it ran out
+    of memory; the caller then uses the torch path."""
     kernel = load()
     if (kernel is None or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16)
             or k_cache.dtype != query.dtype or not (query.is_contiguous() and k_cache.is_contiguous()
                                                    and v_cache.is_contiguous() and out.is_contiguous())):
         return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    block_tables = block_tables.to(torch.int32).contiguous()
-    token_index, seq_lens = token_index.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
     status = kernel(query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                     token_index.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
                     token_index.shape[0], block_tables.shape[1], block_size, num_kv_heads,

@@ -97,7 +97,7 @@ def main():
             "output_lens": output_lens, "runs": args.runs, "prefix_caching": args.prefix_caching}
     llm = make_bench_llm(str(path), args.dtype, enable_prefix_caching=args.prefix_caching)
     ours = [time_workload(llm, prompts, output_lens)["output_tok_s"] for _ in range(args.runs)]
-    del llm
+    del llm  # frees its 4 GiB KV cache before vLLM allocates its own
     theirs = run_vllm(args.vllm_python, spec)
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(output_lens)} output tokens, {args.dtype}, {torch.get_num_threads()} threads, "
