@@ -14,6 +14,7 @@ run with the same dtype and threads: the fraction says how much speed is left to
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from pathlib import Path
@@ -71,17 +72,28 @@ def useful_flops(hf_config, prompts, output_lens) -> float:
     return total
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """This machine's sustained matmul FLOP/s for `dtype` weights (best of a few n x n x n
-    products), the way nanoserve multiplies big ones: bfloat16 on a CPU without AMX runs in
-    float32 (models/llama.py, Linear), so its peak is float32's."""
-    from nanoserve.models.llama import BF16_UPCAST
-    if dtype == torch.bfloat16 and BF16_UPCAST:
-        dtype = torch.float32
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(repeats))
-    return 2 * n**3 / best
+def matmul_peak(runner) -> tuple[float, str]:
+    """(FLOP/s, path): the best sustained rate of a big product along the path the model's
+    layers use most (linear.py picks it per shape at start-up on CPU; cuBLAS on CUDA)."""
+    from collections import Counter
+
+    from nanoserve.models.linear import gemm_peak
+    path = Counter(runner.gemm_paths.values()).most_common(1)[0][0]
+    return gemm_peak(path if path != "cuBLAS" else "torch", runner.dtype, runner.device.type), path
+
+
+def cpu_description() -> str:
+    """lscpu's model name and its SIMD flags: a figure means little without the machine it
+    ran on (the fastest GEMM path differs between CPUs)."""
+    import platform
+    import subprocess
+    try:
+        fields = dict(line.split(":", 1) for line in subprocess.run(
+            ["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines() if ":" in line)
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    flags = [f for f in fields.get("Flags", "").split() if f.startswith(("avx", "amx", "fma"))]
+    return f"{fields.get('Model name', '?').strip()}, {os.cpu_count()} cpus, flags: {' '.join(flags)}"
 
 
 def _timed(fn) -> float:
@@ -117,6 +129,7 @@ def time_workload(llm, prompts, output_lens) -> dict:
             "ms_per_step": {k: 1e3 * v / steps for k, v in engine.timings.items()},
             "model_flop_s": flops / elapsed,
             "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            "gemm_paths": engine.runner.gemm_paths,
             "threads": torch.get_num_threads()}
 
 
@@ -133,21 +146,25 @@ def main(model=None, num_prompts=64, input_len=(32, 512), output_len=(32, 256),
          dtype="float32", **config) -> dict:
     from rich.console import Console
     from rich.table import Table
-    result = run_bench(model, num_prompts, tuple(input_len), tuple(output_len), dtype, **config)
-    peak = matmul_peak(getattr(torch, result["dtype"]))
+    llm = make_bench_llm(model, dtype, **config)
+    prompts, output_lens = make_workload(num_prompts, tuple(input_len), tuple(output_len),
+                                         llm.engine.runner.vocab_size)
+    result = time_workload(llm, prompts, output_lens)
+    peak, path = matmul_peak(llm.engine.runner)
     table = Table(title=f"nanoserve bench: {result['requests']} requests, {result['dtype']}, "
                         f"{result['threads']} threads")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    rows = [("output tokens/s", f"{result['output_tok_s']:.1f}"),
+    rows = [("machine", cpu_description()), ("output tokens/s", f"{result['output_tok_s']:.1f}"),
             ("prompt / output tokens", f"{result['prompt_tokens']} / {result['output_tokens']}"),
             ("elapsed", f"{result['elapsed_s']:.1f} s"), ("steps", str(result["steps"])),
             ("mean batch size", f"{result['mean_batch_size']:.1f} requests/step")]
     rows += [(f"ms/step: {k}", f"{v:.2f}") for k, v in result["ms_per_step"].items()]
     rows += [("model FLOP/s", f"{result['model_flop_s'] / 1e9:.1f} GFLOP/s"),
-             ("matmul peak (same run)", f"{peak / 1e9:.1f} GFLOP/s"),
+             ("GEMM path per shape", ", ".join(f"{k}: {v}" for k, v in result["gemm_paths"].items())),
+             (f"matmul peak, {path} (same run)", f"{peak / 1e9:.1f} GFLOP/s"),
              ("fraction of peak", f"{result['model_flop_s'] / peak:.2f}")]
     for row in rows:
         table.add_row(*row)
     Console().print(table)
-    return {**result, "matmul_peak_flop_s": peak}
+    return {**result, "matmul_peak_flop_s": peak, "matmul_peak_path": path}

@@ -41,6 +41,11 @@ class Config:
                     "CUDA, float32 on CPU.", ("auto", "float32", "bfloat16", "float16"))
     device: str = _f("auto", "'auto': cuda when available, else cpu.", ("auto", "cpu", "cuda"))
     seed: int = _f(0, "Seed for requests that have no seed of their own.")
+    skip_tokenizer_init: bool = _f(False, "Load no tokenizer: prompts must be "
+                                   "{'prompt_token_ids': [...]} and outputs carry token ids only.")
+    cpu_gemm: str = _f("auto", "How Linear layers multiply on CPU. 'auto': the fastest path on "
+                       "this machine, timed at start-up on the model's shapes.",
+                       ("auto", "torch", "onednn", "onednn-fp32"))
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
                                       "Default and cap: the model's max_position_embeddings.")
     # -- KV cache ------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.kv_cache import KVCacheManager
-from nanoserve.output_processor import RequestOutput, RequestState
+from nanoserve.output_processor import RequestOutput, RequestState, load_tokenizer
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import EngineCoreOutput, Request, Scheduler
 from nanoserve.trace import Tracer
@@ -120,12 +120,18 @@ class Processor:
         self.tokenizer = tokenizer
         self.vocab_size = runner.vocab_size
         gen_eos = _generation_config_eos(runner.model_path)
-        self.eos_token_id = gen_eos[0] if gen_eos else tokenizer.eos_token_id
+        config_eos = getattr(runner.hf_config, "eos_token_id", None)
+        fallback_eos = tokenizer.eos_token_id if tokenizer is not None else (
+            config_eos[0] if isinstance(config_eos, list) else config_eos)
+        self.eos_token_id = gen_eos[0] if gen_eos else fallback_eos
         # Extra EOS ids (e.g. Llama 3's <|eot_id|>) stop generation unless ignore_eos.
         self.extra_eos_ids = [t for t in gen_eos if t != self.eos_token_id]
 
     def prompt_token_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt must be {'prompt_token_ids': [...]} when "
+                                 "skip_tokenizer_init is set (no tokenizer to encode text)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -142,6 +148,9 @@ class Processor:
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.config.max_logprobs}) "
                              f"(got {params.logprobs})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set); "
+                             "use stop_token_ids")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}")
         if self.extra_eos_ids and not params.ignore_eos:
@@ -166,18 +175,13 @@ def _generation_config_eos(path) -> list[int]:
     return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
-def load_tokenizer(config: Config, runner: ModelRunner):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(config.tokenizer or runner.model_path)
-
-
 class LLM:
     """Offline, synchronous generation: `LLM(model, **config_fields).generate(prompts, params)`."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.engine = EngineCore(Config(model=model, **kwargs))
         self.config = self.engine.config
-        self.tokenizer = load_tokenizer(self.config, self.engine.runner)
+        self.tokenizer = load_tokenizer(self.config, self.engine.runner.model_path)
         self.processor = Processor(self.config, self.tokenizer, self.engine.runner)
         self._ids = itertools.count()
 
@@ -269,7 +273,7 @@ class AsyncLLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.engine = EngineCore(Config(model=model, **kwargs))
         self.config = self.engine.config
-        self.tokenizer = load_tokenizer(self.config, self.engine.runner)
+        self.tokenizer = load_tokenizer(self.config, self.engine.runner.model_path)
         self.processor = Processor(self.config, self.tokenizer, self.engine.runner)
         self._inputs: Optional[asyncio.Queue] = None   # ("add", [Request]) | ("abort", [ids])
         self._streams: dict[str, asyncio.Queue] = {}    # request id -> its outputs

@@ -17,11 +17,13 @@ CPU work that must not slow the step loop), turns each step's new tokens into:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.scheduler import EngineCoreOutput
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Decode from this many prompt tokens before the output: tokenizers such as SentencePiece
 # drop a token's leading space when it is decoded alone at the start of a string.
 CONTEXT_TOKENS = 5
@@ -57,6 +59,23 @@ class RequestOutput:
     finished: bool = False
 
 
+def load_tokenizer(config, model_path):
+    """The HF tokenizer, or None with skip_tokenizer_init (token-id prompts only)."""
+    if config.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+    source = config.tokenizer or model_path
+    advice = "set tokenizer, or skip_tokenizer_init to run prompt_token_ids without one"
+    # transformers 5 builds an empty tokenizer for some model types when the files are missing.
+    if Path(source).is_dir() and not any((Path(source) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {source}; {advice}")
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as e:   # files transformers cannot read
+        raise ValueError(f"could not load a tokenizer from {source} ({type(e).__name__}: {e}); "
+                         f"{advice}") from None
+
+
 class IncrementalDetokenizer:
     """Text of a growing token list, decoded over a sliding window (prefix_offset..end)."""
 
@@ -88,8 +107,9 @@ class RequestState:
         self.index = index
         self.params = params
         self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                  params.skip_special_tokens)
+        # No tokenizer (skip_tokenizer_init): token ids only, the text stays "".
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.text = ""
         self.sent = 0                     # characters of `text` already streamed
         self.sent_tokens = 0              # tokens already streamed
@@ -105,10 +125,11 @@ class RequestState:
         if self.logprobs is not None and out.new_logprobs is not None:
             self.logprobs.append(self._logprob_dict(out.new_token_ids[-1], out.new_logprobs))
         stopped_by_string = False
+        delta = self.detokenizer.decode_new(out.new_token_ids) if self.detokenizer else ""
         if self.params.stop and self.finish_reason is None:
-            stopped_by_string = self._append_and_check_stop(self.detokenizer.decode_new(out.new_token_ids))
+            stopped_by_string = self._append_and_check_stop(delta)
         else:
-            self.text += self.detokenizer.decode_new(out.new_token_ids)
+            self.text += delta
         if self.finish_reason is None and out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return stopped_by_string
@@ -126,7 +147,7 @@ class RequestState:
         return True
 
     def _logprob_dict(self, token_id: int, lp) -> dict[int, Logprob]:
-        decode = lambda t: self.tokenizer.decode([t])
+        decode = lambda t: None if self.tokenizer is None else self.tokenizer.decode([t])
         entries = {t: Logprob(v, rank, decode(t)) for rank, (t, v) in enumerate(lp.top, start=1)}
         entries.setdefault(token_id, Logprob(lp.logprob, lp.rank, decode(token_id)))
         return entries

@@ -36,6 +36,7 @@ import torch
 
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.models import get_model_class
+from nanoserve.models.linear import choose_cpu_gemms
 from nanoserve.paged_attention import AttentionMetadata
 from nanoserve.paged_attention_cpu import load as load_cpu_kernel
 from nanoserve.sampler import Sampler, SamplingMetadata
@@ -170,6 +171,9 @@ class ModelRunner:
             load_cpu_kernel()  # build it (or warn) now, not in the middle of the first decode
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.model = self._load_model()
+        self.gemm_paths = {"all": "cuBLAS"} if self.device.type == "cuda" else choose_cpu_gemms(
+            self.model.linears(config.max_num_batched_tokens, config.max_num_seqs),
+            config.cpu_gemm, shared=frozenset({id(self.model.model.embed_tokens.weight)}))
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
         self.config = config.resolve(max_position_embeddings=max_len_of(self.model),

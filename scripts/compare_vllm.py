@@ -33,7 +33,8 @@ import tempfile
 
 import torch
 
-from nanoserve.bench import make_bench_llm, make_checkpoint, make_workload, time_workload
+from nanoserve.bench import (cpu_description, make_bench_llm, make_checkpoint, make_workload,
+                             time_workload)
 
 VLLM_SIDE = r"""
 import json, sys, time
@@ -97,8 +98,11 @@ def main():
             "output_lens": output_lens, "runs": args.runs, "prefix_caching": args.prefix_caching}
     llm = make_bench_llm(str(path), args.dtype, enable_prefix_caching=args.prefix_caching)
     ours = [time_workload(llm, prompts, output_lens)["output_tok_s"] for _ in range(args.runs)]
+    gemm_paths = llm.engine.runner.gemm_paths
     del llm  # frees its 4 GiB KV cache before vLLM allocates its own
     theirs = run_vllm(args.vllm_python, spec)
+    print(f"machine: {cpu_description()}")
+    print(f"nanoserve GEMM paths: {gemm_paths}")
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(output_lens)} output tokens, {args.dtype}, {torch.get_num_threads()} threads, "
           f"prefix caching {'on' if args.prefix_caching else 'off'}")

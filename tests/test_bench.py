@@ -6,6 +6,7 @@ import sys
 import pytest
 from transformers import LlamaConfig
 
+from nanoserve.bench import main as bench_main
 from nanoserve.bench import make_workload, run_bench, useful_flops
 
 
@@ -32,6 +33,16 @@ def test_bench_runs_end_to_end(checkpoint):
     assert result["output_tok_s"] > 0 and 1 <= result["mean_batch_size"] <= 3
     assert set(result["ms_per_step"]) == {"prepare", "forward", "sample", "schedule", "update"}
     assert result["model_flop_s"] > 0
+
+
+def test_bench_peak_is_measured_on_the_models_own_gemm_path(checkpoint, capsys):
+    path, _ = checkpoint
+    result = bench_main(path, num_prompts=2, input_len=(4, 8), output_len=(2, 3),
+                        num_kv_blocks=64, max_model_len=256)
+    assert result["matmul_peak_path"] in result["gemm_paths"].values()
+    assert result["matmul_peak_flop_s"] > 0
+    printed = capsys.readouterr().out
+    assert f"matmul peak, {result['matmul_peak_path']}" in printed and "GEMM path" in printed
 
 
 FAULTS_SCRIPT = """

@@ -104,13 +104,16 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("dtype, gb", [("auto", 0.0013), ("bfloat16", 0.0007)])
 def test_calculator_block_count_equals_the_engines(tiny, dtype, gb):
     path, hf_model = tiny
-    llm = LLM(path, dtype=dtype, kv_cache_memory_gb=gb, block_size=8)
+    # Forced to keep weights in the model dtype (auto may pick bf16 weights packed in float32).
+    llm = LLM(path, dtype=dtype, kv_cache_memory_gb=gb, block_size=8, cpu_gemm="onednn")
     r = memory_report(path, dtype=dtype, kv_cache_memory_gb=gb, block_size=8)
     assert r.num_blocks == llm.engine.config.num_kv_blocks > 0
     assert r.max_model_len == llm.engine.config.max_model_len
     # Weights: what the engine holds (parameters + buffers), counted from the headers.
     model = llm.engine.runner.model
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    held += sum(m.gemm.nbytes for m in model.modules() if getattr(m, "gemm", None) is not None
+                and m.weight is None)     # packed weights, which replaced the unpacked ones
     assert r.weight_bytes == held and r.params_from == "safetensors headers"
     assert r.num_params == hf_model.num_parameters()
 

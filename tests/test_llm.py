@@ -1,6 +1,7 @@
 """LLM.generate against the oracle, HF transformers `generate`, token for token (greedy),
 on tiny random Llama / Qwen2 / Qwen3 checkpoints, in every scheduling regime."""
 
+import copy
 import json
 import random
 
@@ -148,3 +149,63 @@ def test_loading_errors(tmp_path):
     build_checkpoint(tmp_path / "ok", "llama")
     with pytest.raises(ValueError, match="less than one sequence of max_model_len"):
         LLM(str(tmp_path / "ok"), num_kv_blocks=2)
+
+
+
+def check_bf16_against_hf(llm, model, prompts, max_tokens):
+    """bf16 greedy == HF's bf16 greedy, except where HF itself nearly ties: two bf16 programs
+    that sum in different orders may round a logit differently. From the first token where the
+    two differ, HF's margin for its own choice over ours must be within bf16's rounding of the
+    logits (2^-7 of their largest magnitude); up to it the tokens must be identical."""
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, progress=False)
+    for p, m, out in zip(prompts, max_tokens, outs):
+        ours, theirs = out.outputs[0].token_ids, hf_greedy(model, p, m)
+        if ours == theirs:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([p + theirs[:first]])).logits[0, -1].float()
+        margin = logits[theirs[first]] - logits[ours[first]]
+        assert margin <= logits.abs().max() * 2**-7, f"prompt of {len(p)} tokens, token {first}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("path", ["torch", "onednn", "onednn-fp32"])
+def test_greedy_equals_hf_on_every_cpu_gemm_path(checkpoint, dtype, path):
+    """Every CPU product path (linear.py), forced, gives HF's greedy tokens, in float32 and in
+    bfloat16 (HF run in bf16 too). A path this CPU's oneDNN cannot run falls back to torch."""
+    ckpt, model = checkpoint
+    if path == "onednn-fp32" and dtype == "float32":
+        pytest.skip("onednn-fp32 is the bf16 model's float32 path; for float32 it is 'onednn'")
+    llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype, cpu_gemm=path)
+    chosen = set(llm.engine.runner.gemm_paths.values())
+    assert chosen <= {path, "torch"} and (path in chosen or dtype == "bfloat16")
+    prompts, max_tokens = workload(seed=2, n=4)
+    if dtype == "float32":
+        check_against_hf(llm, model, prompts, max_tokens)
+    else:
+        check_bf16_against_hf(llm, copy.deepcopy(model).to(torch.bfloat16), prompts, max_tokens)
+
+
+def test_checkpoint_without_tokenizer_runs_token_ids_with_skip_tokenizer_init(checkpoint, tmp_path):
+    """vLLM's skip_tokenizer_init: weights without tokenizer files serve token-id prompts."""
+    import shutil
+    from pathlib import Path
+    src, model = checkpoint
+    for f in Path(src).iterdir():
+        if not f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp_path / f.name)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        LLM(str(tmp_path), num_kv_blocks=64)
+    llm = LLM(str(tmp_path), num_kv_blocks=64, skip_tokenizer_init=True)
+    assert llm.tokenizer is None
+    prompt = [5, 17, 99, 3]
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, **GREEDY),
+                          progress=False)
+    assert out.outputs[0].token_ids == hf_greedy(model, prompt, 8) and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate("a text prompt", progress=False)
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(stop=["x"]), progress=False)
+    assert llm.engine.kv_cache_manager.pool.num_free_blocks == llm.engine.kv_cache_manager.pool.num_blocks

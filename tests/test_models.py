@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from nanoserve.models import LlamaForCausalLM, get_model_class
-from nanoserve.models import llama
+from nanoserve.models import linear
 from nanoserve.models.llama import head_dim_of, rope_parameters
 from nanoserve.paged_attention import AttentionMetadata
 
@@ -180,23 +180,50 @@ def test_rope_parameters_from_transformers_4_configs():
     assert rope_parameters(LlamaConfig(**TINY, rope_theta=1e6))["rope_theta"] == 1e6  # transformers 5
 
 
-@pytest.mark.parametrize("rows", [8, 32, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_linear_upcast_is_a_bf16_matmul(rows, bias, monkeypatch):
-    """On CPUs without AMX, 32+ bf16 rows are multiplied in float32: the same numbers as a
-    bf16 matmul (exact products, float32 sums), rounded to bf16 once."""
-    monkeypatch.setattr(llama, "BF16_UPCAST", True)
+def test_every_cpu_gemm_path_equals_f_linear(dtype, bias):
+    """Each path this machine can run (oneDNN packed, packed float32 for bf16, torch) gives
+    F.linear's numbers, within the dtype's rounding, for decode- and prefill-sized row counts."""
     gen = torch.Generator().manual_seed(0)
-    layer = llama.Linear(96, 40, bias=bias).to(torch.bfloat16)
-    with torch.no_grad():
-        layer.weight_t.copy_(torch.randn(96, 40, generator=gen))
-        if bias:
-            layer.bias.copy_(torch.randn(40, generator=gen))
-    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    out = layer(x)
-    assert out.dtype == torch.bfloat16
-    exact = x.double() @ layer.weight_t.double() + (layer.bias.double() if bias else 0)
-    native = torch.nn.functional.linear(x, layer.weight_t.t(), layer.bias)  # torch's own bf16 path
-    # Both are the float32 result rounded once to bf16: within one bf16 rounding of the exact value.
-    torch.testing.assert_close(out.double(), exact, atol=0.05, rtol=2**-8)
-    torch.testing.assert_close(out, native, atol=0.05, rtol=2**-7)
+    weight = torch.randn(40, 96, generator=gen).to(dtype)
+    b = torch.randn(40, generator=gen).to(dtype) if bias else None
+    runnable = 0
+    for path in linear.candidate_paths(dtype):
+        try:
+            gemm = linear.make_gemm(path, weight, b)
+        except RuntimeError:        # e.g. oneDNN bf16 on a CPU without AVX-512
+            continue
+        runnable += 1
+        for rows in (1, 7, 64, 300):
+            x = torch.randn(rows, 96, generator=gen).to(dtype)
+            out = gemm(x)
+            assert out.dtype == dtype and out.shape == (rows, 40)
+            exact = x.double() @ weight.double().t() + (b.double() if bias else 0)
+            tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=2**-7)
+            torch.testing.assert_close(out.double(), exact, **tol)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), **tol)
+    assert runnable >= 2 or not torch.backends.mkldnn.is_available()
+
+
+def test_choose_cpu_gemms_packs_once_per_shape_and_keeps_shared_weights():
+    layers = [linear.Linear(32, 48, bias=False) for _ in range(3)] + [linear.Linear(48, 32, bias=True)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight)
+    x = torch.randn(5, 32)
+    expected = layers[0](x)
+    shared = layers[1].weight
+    chosen = linear.choose_cpu_gemms([(layer, [1, 8]) for layer in layers],
+                                     shared=frozenset({id(shared)}))
+    assert set(chosen) == {"32x48 float32", "48x32 float32"}
+    assert all(path in linear.candidate_paths(torch.float32) for path in chosen.values())
+    torch.testing.assert_close(layers[0](x), expected, atol=1e-4, rtol=1e-5)
+    assert layers[1].weight is shared                  # a shared (tied) weight is never dropped
+    packed = chosen["32x48 float32"] != "torch"
+    assert (layers[0].weight is None) == packed         # a packed copy replaces the weight
+
+
+def test_forced_cpu_gemm_path():
+    layer = linear.Linear(16, 8, bias=False)
+    chosen = linear.choose_cpu_gemms([(layer, [1])], forced="torch")
+    assert chosen == {"16x8 float32": "torch"} and layer.gemm is None and layer.weight is not None

@@ -10,8 +10,10 @@ These models differ only in a few switches, all read from the HF config:
 
 The input is ONE flat batch of every token scheduled this step (no batch dim, no padding), with
 `positions` for RoPE and an `AttentionMetadata` that says where each token's K/V goes and what it
-attends to (see paged_attention.py). For speed q/k/v is one Linear and gate/up is one Linear;
-`load_weights` takes HF checkpoint names and fills the fused matrices:
+attends to (see paged_attention.py). Every product, the LM head included, is a `Linear`
+(linear.py: on CPU it runs the path measured fastest on this machine at start-up). For speed
+q/k/v is one Linear and gate/up is one Linear; `load_weights` takes HF checkpoint names and fills
+the fused matrices:
 
     model.layers.0.self_attn.k_proj.weight  ->  rows [q_size, q_size + kv_size) of qkv_proj.weight
     model.layers.0.mlp.up_proj.weight       ->  rows [intermediate, 2 * intermediate) of gate_up_proj
@@ -29,48 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nanoserve.models.linear import Linear
 from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
-
-
-def _bf16_matmul_is_slow() -> bool:
-    """True on CPUs without AMX tiles, where torch's bfloat16 matmul runs at about half the
-    float32 rate (measured on a Xeon with AVX512-BF16 but no AMX: ~170 against ~300 GFLOP/s)."""
-    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return is_amx is not None and not is_amx()
-
-
-BF16_UPCAST = _bf16_matmul_is_slow()
-# Float32 wins from ~30 rows (a layer's four products at 44 rows: 1.9 against 2.6 ms in bf16).
-UPCAST_MIN_ROWS = 32
-
-
-class Linear(nn.Module):
-    """y = x @ W.T + b, as nn.Linear, but W is stored transposed: `weight_t` is [in, out].
-
-    Why: a decode step multiplies only a few rows (one per running request), and for 4 to 128
-    rows MKL's CPU GEMM runs up to 2x faster on an [in, out] matrix than on nn.Linear's
-    [out, in]; for big prefills the two layouts tie. `load_weights` writes HF's [out, in]
-    tensors through the view `weight_t.t()`, so checkpoints load unchanged.
-
-    bfloat16 on a CPU without AMX: 32+ rows are multiplied in float32 (x and W widened on the
-    fly, the result rounded back), 1.5x faster for a 2048-token prefill. The weights stay
-    bfloat16 in memory, and the result is what a bf16 matmul computes: a bf16 x bf16 product is
-    exact in float32, and both accumulate in float32."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool):
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if BF16_UPCAST and x.dtype == torch.bfloat16 and x.shape[0] >= UPCAST_MIN_ROWS and not x.is_cuda:
-            return self._matmul(x.float(), self.weight_t.float(),
-                                None if self.bias is None else self.bias.float()).to(x.dtype)
-        return self._matmul(x, self.weight_t, self.bias)
-
-    @staticmethod
-    def _matmul(x: Tensor, weight_t: Tensor, bias) -> Tensor:
-        return x @ weight_t if bias is None else torch.addmm(bias, x, weight_t)
 
 
 class RMSNorm(nn.Module):
@@ -235,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.model = LlamaModel(hf_config)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         self.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -264,6 +226,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(rope, hidden, kv_cache, attn_metadata)
         return self.model.norm(hidden)
 
+    def linears(self, max_num_batched_tokens: int, max_num_seqs: int):
+        """(Linear, row counts it multiplies) for every product: the layers see up to a step's
+        token budget, the LM head only the rows that sample. `choose_cpu_gemms` times these."""
+        def rows(most: int) -> list[int]:
+            return [m for m in (1, 8, 64, 512) if m <= most] or [most]
+        return [(m, rows(max_num_seqs) if m is self.lm_head else rows(max_num_batched_tokens))
+                for m in self.modules() if isinstance(m, Linear)]
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [n, hidden_size] (only the rows to sample) -> logits [n, vocab_size] float32."""
         return self.lm_head(hidden).float()
@@ -272,8 +242,6 @@ class LlamaForCausalLM(nn.Module):
         """Every HF checkpoint name this model needs -> (our parameter, its rows for that weight)."""
         targets = {}
         for name, p in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
-            if name.endswith(".weight_t"):          # our transposed Linear: HF's [out, in] view
-                name, p = name[:-len("_t")], p.data.t()
             targets[name] = (p, slice(None))
         attn = self.model.layers[0].self_attn
         q, kv, mlp = attn.q_size, attn.kv_size, self.config.intermediate_size

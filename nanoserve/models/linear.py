@@ -1,0 +1,167 @@
+"""linear.py: every matrix product of the model, and how each one runs on this machine's CPU.
+
+`Linear` is nn.Linear's y = x @ W.T + b with HF's [out, in] weight layout. On CUDA it calls
+F.linear (cuBLAS). On a CPU the fastest way to multiply depends on the processor, and the
+differences are large: measured with torch 2.13, 2 threads, 576 x 1536 fp32, 8 to 64 rows,
+oneDNN on a weight packed once runs 2-3x faster than MKL (F.linear) on an AMD Zen 5; bf16 there
+is 4x faster than fp32, but on a CPU without AVX-512 (Zen 3) torch's bf16 product is ~8x SLOWER
+than fp32 and oneDNN refuses bf16 altogether. A rule tuned on one of them is wrong on the other.
+
+So no rule is hard-coded. At start-up `choose_cpu_gemms` times the candidate paths on the
+model's real shapes and row counts, on this machine, and gives each Linear the fastest:
+
+    torch          F.linear in the model dtype (MKL, or oneDNN inside torch for bf16)
+    onednn         the weight packed once for oneDNN (torch.ops.mkldnn, as vLLM's CPU build
+                   does), the product in the model dtype; bf16 only where oneDNN supports it
+    onednn-fp32    for a bf16/fp16 model: the weight packed once in float32, the rows widened
+                   on the fly. The same numbers as a bf16 product (bf16 x bf16 is exact in
+                   float32, both sum in float32), at float32's speed, for float32's memory.
+
+    >>> layer = Linear(4, 3, bias=False)
+    >>> choose_cpu_gemms([layer], rows=[1, 8])                     # doctest: +SKIP
+    {'4x3 float32': 'onednn'}
+
+A packed Linear drops its unpacked weight (unless it is shared, as a tied LM head is), so the
+weights take the same memory as before. `Config.cpu_gemm` forces one path (for comparisons).
+
+Run the tests (each path equals F.linear for 1, 7, 64 and 300 rows):
+    pytest -q tests/test_models.py -k gemm
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Gemm = Callable[[Tensor], Tensor]
+CPU_GEMM_PATHS = ("torch", "onednn", "onednn-fp32")
+
+
+class Linear(nn.Module):
+    """y = x @ W.T + b. `weight` is [out_features, in_features], as in HF checkpoints.
+
+    `gemm` is the product to call; F.linear until `choose_cpu_gemms` picks a packed path."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.gemm: Optional[Gemm] = None
+        self.gemm_path = "torch"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gemm is not None:
+            return self.gemm(x)
+        return F.linear(x, self.weight, self.bias)
+
+    def use_gemm(self, path: str, keep_weight: bool) -> None:
+        """Multiply with `path` from now on; drop the unpacked weight unless it is needed."""
+        if path == "torch":
+            self.gemm, self.gemm_path = None, path
+            return
+        self.gemm, self.gemm_path = make_gemm(path, self.weight.detach(), self.bias), path
+        if not keep_weight:   # the packed copy replaces it: same memory as before packing
+            self.weight = None
+
+
+def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor]) -> Gemm:
+    """The product x -> x @ weight.T + bias along `path`. Raises RuntimeError where this
+    machine's oneDNN cannot do it (e.g. bf16 without AVX-512 or AVX-NE-CONVERT)."""
+    if path == "torch":
+        return lambda x: F.linear(x, weight, bias)
+    return PackedGemm(weight, bias, torch.float32 if path == "onednn-fp32" else weight.dtype)
+
+
+class PackedGemm:
+    """x @ W.T + b with W packed once into oneDNN's blocked layout, in dtype `compute`."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], compute: torch.dtype):
+        self.compute = compute
+        # batch_size None: packed for any row count (a decode batch changes size every step).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute), None)
+        self.bias = None if bias is None else bias.detach().to(compute)
+        self.nbytes = weight.numel() * compute.itemsize   # what the packed copy holds
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute), self.packed, self.bias,
+                                               "none", [], "")
+        return y.to(x.dtype)
+
+
+def candidate_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths worth timing for weights of `dtype` on a CPU."""
+    if not torch.backends.mkldnn.is_available():
+        return ("torch",)
+    return CPU_GEMM_PATHS if dtype in (torch.bfloat16, torch.float16) else ("torch", "onednn")
+
+
+def _best_seconds(gemm: Gemm, x: Tensor, repeats: int) -> float:
+    gemm(x)   # first call: oneDNN builds its kernel for this shape
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        gemm(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
+               paths: Iterable[str], repeats: int = 3) -> dict[str, float]:
+    """Each path's cost over `rows`: the sum, over the row counts, of its best time divided by
+    the fastest path's (1.0 per row count = always the fastest). Paths this machine cannot run
+    are left out. Relative, so a 512-row product does not drown out the 1-row decode."""
+    gemms = {}
+    for path in paths:
+        try:
+            gemms[path] = make_gemm(path, weight, bias)
+        except RuntimeError:      # oneDNN without support for this dtype here
+            continue
+    cost = dict.fromkeys(gemms, 0.0)
+    if len(gemms) <= 1:
+        return cost
+    for m in rows:
+        x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
+        seconds = {path: _best_seconds(gemm, x, repeats) for path, gemm in gemms.items()}
+        fastest = min(seconds.values())
+        for path, s in seconds.items():
+            cost[path] += s / fastest
+    return cost
+
+
+def choose_cpu_gemms(layers: Iterable[tuple[Linear, Iterable[int]]], forced: str = "auto",
+                     shared: frozenset = frozenset()) -> dict[str, str]:
+    """Give every (Linear, the row counts it will see) its fastest path on this CPU, timed once
+    per distinct shape. `forced` (a path name) skips the timing; where that path cannot run
+    here, the layer keeps torch's.
+    `shared`: ids of weights that other modules also use (kept unpacked). Returns
+    {'in x out dtype': path}, which `nanoserve bench` prints."""
+    chosen: dict[tuple, str] = {}
+    for layer, rows in layers:
+        w = layer.weight
+        key = (w.shape[1], w.shape[0], w.dtype, layer.bias is not None)
+        if key not in chosen:
+            paths = candidate_paths(w.dtype)
+            if forced != "auto":
+                paths = [p for p in paths if p == forced] or ["torch"]
+            cost = time_paths(w.detach(), layer.bias, rows, paths) or {"torch": 0.0}
+            chosen[key] = min(cost, key=cost.get)
+        layer.use_gemm(chosen[key], keep_weight=id(w) in shared)
+    return {f"{i}x{o} {str(d).removeprefix('torch.')}": path
+            for (i, o, d, _), path in chosen.items()}
+
+
+def gemm_peak(path: str, dtype: torch.dtype, device: str = "cpu", n: int = 2048,
+              repeats: int = 3) -> float:
+    """Sustained FLOP/s of an n x n x n product along `path` (on CUDA: cuBLAS, F.linear): the
+    ceiling the model's own products are measured against (`nanoserve bench`)."""
+    weight = torch.randn(n, n, dtype=dtype, device=device)
+    gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None)
+    sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
+    x = torch.randn(n, n, dtype=dtype, device=device)
+    return 2 * n**3 / _best_seconds(lambda rows: (gemm(rows), sync()), x, repeats)
