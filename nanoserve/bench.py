@@ -9,7 +9,8 @@ The default workload (the one scripts/bench_offline.py and scripts/compare_vllm.
 random token ids (seed 0), greedy, ignore_eos, on random weights with SmolLM2-135M's shape.
 It prints output tokens/s, the mean batch size, where each step's time went, and the
 model's useful FLOP/s as a fraction of this machine's matmul peak, measured in the same
-run with the same dtype and threads: the fraction says how much speed is left to find.
+run with the same dtype, threads and GEMM path (the one models/linear.py chose at start-up, on
+the model's own layer shapes): the fraction says how much speed is left to find.
 """
 
 from __future__ import annotations
@@ -73,13 +74,18 @@ def useful_flops(hf_config, prompts, output_lens) -> float:
 
 
 def matmul_peak(runner) -> tuple[float, str]:
-    """(FLOP/s, path): the best sustained rate of a big product along the path the model's
-    layers use most (linear.py picks it per shape at start-up on CPU; cuBLAS on CUDA)."""
+    """(FLOP/s, path): the best sustained rate of 512-row products over the model's own layer
+    shapes, along the path its layers use most (chosen per shape at start-up on CPU, linear.py;
+    cuBLAS on CUDA)."""
     from collections import Counter
 
-    from nanoserve.models.linear import gemm_peak
+    from nanoserve.models.linear import Linear, gemm_peak
     path = Counter(runner.gemm_paths.values()).most_common(1)[0][0]
-    return gemm_peak(path if path != "cuBLAS" else "torch", runner.dtype, runner.device.type), path
+    model = runner.model
+    shapes = {(m.in_features, m.out_features) for m in model.modules()
+              if isinstance(m, Linear) and m is not model.lm_head}
+    return gemm_peak(path if path != "cuBLAS" else "torch", runner.dtype, shapes,
+                     device=runner.device.type), path
 
 
 def cpu_description() -> str:

@@ -156,12 +156,18 @@ def choose_cpu_gemms(layers: Iterable[tuple[Linear, Iterable[int]]], forced: str
             for (i, o, d, _), path in chosen.items()}
 
 
-def gemm_peak(path: str, dtype: torch.dtype, device: str = "cpu", n: int = 2048,
-              repeats: int = 3) -> float:
-    """Sustained FLOP/s of an n x n x n product along `path` (on CUDA: cuBLAS, F.linear): the
-    ceiling the model's own products are measured against (`nanoserve bench`)."""
-    weight = torch.randn(n, n, dtype=dtype, device=device)
-    gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None)
-    sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
-    x = torch.randn(n, n, dtype=dtype, device=device)
-    return 2 * n**3 / _best_seconds(lambda rows: (gemm(rows), sync()), x, repeats)
+def gemm_peak(path: str, dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int = 512,
+              device: str = "cpu", repeats: int = 3) -> float:
+    """The best sustained FLOP/s of `path` (on CUDA: cuBLAS, F.linear) over the (in, out) weight
+    shapes given, `rows` rows each: the ceiling the model's own products are measured against
+    (`nanoserve bench`). The model's own shapes, because a square 2048^3 product can run slower
+    (or faster) than the shapes the model actually multiplies."""
+    best = 0.0
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for in_features, out_features in shapes:
+        weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
+        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None)
+        x = torch.randn(rows, in_features, dtype=dtype, device=device)
+        seconds = _best_seconds(lambda r: (gemm(r), sync()), x, repeats)
+        best = max(best, 2 * rows * in_features * out_features / seconds)
+    return best
