@@ -100,14 +100,15 @@ def candidate_paths(dtype: torch.dtype) -> tuple[str, ...]:
     return CPU_GEMM_PATHS if dtype in (torch.bfloat16, torch.float16) else ("torch", "onednn")
 
 
+def _seconds(gemm: Gemm, x: Tensor) -> float:
+    start = time.perf_counter()
+    gemm(x)
+    return time.perf_counter() - start
+
+
 def _best_seconds(gemm: Gemm, x: Tensor, repeats: int) -> float:
     gemm(x)   # first call: oneDNN builds its kernel for this shape
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        gemm(x)
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(_seconds(gemm, x) for _ in range(repeats))
 
 
 @torch.inference_mode()
@@ -127,7 +128,10 @@ def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
         return cost
     for m in rows:
         x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
-        seconds = {path: _best_seconds(gemm, x, repeats) for path, gemm in gemms.items()}
+        seconds = {path: _best_seconds(gemm, x, 1) for path, gemm in gemms.items()}
+        for _ in range(repeats):   # interleaved: a burst of other load hits every path alike
+            for path, gemm in gemms.items():
+                seconds[path] = min(seconds[path], _seconds(gemm, x))
         fastest = min(seconds.values())
         for path, s in seconds.items():
             cost[path] += s / fastest
