@@ -36,9 +36,13 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-Werror",
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-Werror",
          # Vectorised dot products (float sums reassociated) and expf (glibc's vector libmvec).
          "-ffast-math"]
+# Linked in a second step without -ffast-math: linking with it adds crtfastmath.o (GCC 12),
+# which turns on flush-to-zero for the WHOLE process as the library loads, so every float
+# below 1.2e-38 in the user's torch and numpy code would silently become 0.
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def cache_dir() -> Path:
@@ -63,16 +67,18 @@ def load():
     compiler = os.environ.get("CC", "cc")
     # -march=native code is only good on this kind of CPU: a home directory shared between
     # machines must not hand one machine's build to another, so the CPU's flags are in the key.
-    key = hashlib.sha256(source + " ".join([compiler] + FLAGS).encode() + _cpu_flags()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler] + FLAGS + LINK_FLAGS).encode()
+                         + _cpu_flags()).hexdigest()[:16]
     library = cache_dir() / f"decode_attention-{key}.so"
     try:
         if not library.is_file():
             library.parent.mkdir(parents=True, exist_ok=True)
             # Build beside the target and rename: concurrent first runs never load half a file.
             with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-                built = Path(tmp) / library.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, text=True)
+                built, obj = Path(tmp) / library.name, Path(tmp) / "decode_attention.o"
+                for command in ([compiler, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                                [compiler, *LINK_FLAGS, str(obj), "-o", str(built), "-lm"]):
+                    subprocess.run(command, check=True, capture_output=True, text=True)
                 os.replace(built, library)
         fn = ctypes.CDLL(str(library)).decode_attention
     except (OSError, subprocess.CalledProcessError) as e:

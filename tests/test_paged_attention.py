@@ -10,6 +10,7 @@ rows of this step's tokens.
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -180,3 +181,13 @@ def test_metadata_shape_errors_name_the_field(field, kwargs):
     AttentionMetadata(**good)
     with pytest.raises(ValueError, match=field):
         AttentionMetadata(**{**good, **kwargs})
+
+
+@pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler here")
+def test_loading_the_cpu_kernel_keeps_subnormal_floats():
+    """A library linked with -ffast-math (GCC's crtfastmath.o) would switch the whole process to
+    flush-to-zero when it loads: every float below 1.2e-38 anywhere in the user's code -> 0."""
+    script = ("import torch; from nanoserve import paged_attention_cpu as k; assert k.load(); "
+              "print((torch.tensor([1e-39]) * 1.0).item() != 0.0)")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "True"
