@@ -8,7 +8,7 @@
 
 Requests arrive as a Poisson process at `--request-rate` per second (inf: all at once); each is
 a streamed POST /v1/completions whose prompt is a list of token ids, so its length is exact on
-any server and the client needs no tokenizer (ids are drawn from [1, PROMPT_VOCAB), which every
+any server and the client needs no tokenizer (ids are drawn from [0, PROMPT_VOCAB), which every
 vocabulary has; a token costs the same whatever its id). Greedy and ignore_eos by default, so
 each request produces exactly its max_tokens. Lengths are uniform in [MIN, MAX] (--input-len,
 --output-len), or vLLM's way: --random-input-len L with --random-range-ratio r is uniform in
@@ -40,7 +40,7 @@ import random
 import time
 from typing import Optional
 
-PROMPT_VOCAB = 1000      # prompt ids in [1, 1000): nanoserve-tiny has 1479 tokens; 0 is often EOS
+PROMPT_VOCAB = 1000      # ids in [0, 1000): nanoserve-tiny, the smallest model here, has 1479
 PERCENTILES = (50, 90, 99)
 
 
@@ -68,15 +68,15 @@ def length_range(length: int, range_ratio: float) -> tuple[int, int]:
 
 def make_requests(num_prompts: int, input_len=(32, 512), output_len=(32, 256), seed: int = 0,
                   vocab_size: int = PROMPT_VOCAB) -> tuple[list[list[int]], list[int]]:
-    """(prompts as token id lists, max_tokens of each), lengths uniform in the given ranges."""
+    """(prompts as token id lists, max_tokens of each), lengths uniform in the given ranges:
+    `nanoserve bench`'s workload, checked first (bad flags get an error naming them)."""
+    from nanoserve.bench import make_workload
     for name, (low, high) in (("input_len", input_len), ("output_len", output_len)):
         if not 1 <= low <= high:
             raise ValueError(f"{name} must be 1 <= MIN <= MAX (got {low}, {high})")
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1 (got {num_prompts})")
-    rng = random.Random(seed)
-    lens = [(rng.randint(*input_len), rng.randint(*output_len)) for _ in range(num_prompts)]
-    return [[rng.randrange(1, vocab_size) for _ in range(n)] for n, _ in lens], [m for _, m in lens]
+    return make_workload(num_prompts, input_len, output_len, vocab_size, seed)
 
 
 def arrival_times(num_prompts: int, request_rate: float, seed: int = 0) -> list[float]:

@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     cst.set_defaults(func=_cost)
 
     bch = sub.add_parser("bench", help="Offline throughput on the standard workload (random "
-                         "SmolLM2-135M-shaped weights unless --model), against the matmul peak.")
+                         "SmolLM2-135M-shaped weights unless --model), against the matmul peak; "
+                         "with --serve, latency and throughput of a running server under load.")
     bch.add_argument("--num-prompts", type=int, default=64, help="Requests in the workload.")
     bch.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
                      help="Prompt lengths, uniform in [MIN, MAX].")

@@ -63,7 +63,7 @@ def test_workload_lengths_ids_and_arrivals():
     prompts, outs = bs.make_requests(200, (32, 64), (8, 16), seed=3)
     assert all(32 <= len(p) <= 64 for p in prompts) and all(8 <= n <= 16 for n in outs)
     assert {len(p) for p in prompts} >= {32, 64}         # both ends are reachable
-    assert all(1 <= t < bs.PROMPT_VOCAB for p in prompts for t in p)
+    assert all(0 <= t < bs.PROMPT_VOCAB for p in prompts for t in p)
     assert bs.make_requests(200, (32, 64), (8, 16), seed=3) == (prompts, outs)
     assert bs.length_range(100, 0.5) == (50, 150) and bs.length_range(64, 0.0) == (64, 64)
     with pytest.raises(ValueError, match="random_range_ratio"):
@@ -124,7 +124,8 @@ def _chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
 TOKEN = _chunk(b'data: {"choices": [{"index": 0, "text": " a"}]}\n\n')
 BROKEN = {   # raw HTTP answers, and what the client must report for each
     "cut mid-stream": (SSE_HEAD + TOKEN, "RemoteProtocolError"),
