@@ -25,6 +25,8 @@ The definitions are `vllm bench serve`'s, so the two report the same thing for t
 - Throughput: successful requests' output tokens (and requests) / the benchmark's wall time.
 - Goodput: successful requests per second with TTFT <= --slo-ttft-ms and TPOT <= --slo-itl-ms
   (vLLM's `--goodput ttft:X tpot:Y`; TPOT is the request's mean ITL per token).
+- Arrivals: exponential gaps from the seed, the first request at 0 (vLLM also rescales the gaps
+  to sum to N / rate; not here, so the arrivals stay a Poisson process).
 - Failed: an HTTP error status, a refused connection, an error event in the stream, or a
   stream that ends before `data: [DONE]`. Failures are counted and listed, never raised.
 """
