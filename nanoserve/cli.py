@@ -9,6 +9,7 @@
     nanoserve memory path/to/checkpoint --device-memory-gb 80   # do weights + KV cache fit?
     nanoserve cost --prices examples/prices.json --requests-per-day 1e5 ...  # self-host or API?
     nanoserve bench --dtype bfloat16                      # offline throughput vs the matmul peak
+    nanoserve bench --serve --request-rate 2 --plot cdf.png   # load a running server (any)
     nanoserve exercise check 3.3                          # a lesson's build exercise (lessons/)
 
 Every Config field is a flag (`--max-model-len`, `--block-size`, `--trace run.jsonl`, ...),
@@ -69,6 +70,13 @@ def _cost(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    if args.serve:
+        import inspect
+
+        from nanoserve import bench_serve
+        wanted = inspect.signature(bench_serve.main).parameters
+        bench_serve.main(**{k: v for k, v in vars(args).items() if k in wanted})
+        return
     from nanoserve import bench
     config = {k: v for k, v in vars(args).items()
               if k in {f.name for f in dataclasses.fields(Config)} and k not in ("model", "dtype")}
@@ -170,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     cst.set_defaults(func=_cost)
 
     bch = sub.add_parser("bench", help="Offline throughput on the standard workload (random "
-                         "SmolLM2-135M-shaped weights unless --model), against the matmul peak.")
+                         "SmolLM2-135M-shaped weights unless --model), against the matmul peak; "
+                         "with --serve, latency and throughput of a running server under load.")
     bch.add_argument("--num-prompts", type=int, default=64, help="Requests in the workload.")
     bch.add_argument("--input-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"),
                      help="Prompt lengths, uniform in [MIN, MAX].")
@@ -178,6 +187,29 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Output lengths, uniform in [MIN, MAX].")
     Config.add_cli_args(bch)
     bch.set_defaults(func=_bench, model=None, kv_cache_memory_gb=4.0, max_model_len=1024)
+    # --serve: load a running server over HTTP (bench_serve.py); flags named as `vllm bench serve`'s
+    srv_bch = bch.add_argument_group("serving benchmark (--serve; --model: the model name to "
+                                     "request, default: the first of /v1/models)")
+    srv_bch.add_argument("--serve", action="store_true", help="Benchmark a running "
+                         "OpenAI-compatible server with streamed /v1/completions instead.")
+    srv_bch.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server's URL.")
+    srv_bch.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson "
+                         "arrivals per second (inf: every request at once).")
+    srv_bch.add_argument("--random-input-len", type=int, help="Prompt length L (instead of "
+                         "--input-len): uniform in [L(1-r), L(1+r)], r = --random-range-ratio.")
+    srv_bch.add_argument("--random-output-len", type=int, help="The same for max_tokens.")
+    srv_bch.add_argument("--random-range-ratio", type=float, default=0.0, help="r in [0, 1).")
+    srv_bch.add_argument("--temperature", type=float, default=0.0, help="0 = greedy.")
+    srv_bch.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                         help="Generate exactly max_tokens per request.")
+    srv_bch.add_argument("--slo-ttft-ms", type=float, help="Goodput SLO on time to first token.")
+    srv_bch.add_argument("--slo-itl-ms", type=float, help="Goodput SLO on a request's mean "
+                         "inter-token latency (TPOT).")
+    srv_bch.add_argument("--num-warmups", type=int, default=1, help="Short requests sent first, "
+                         "off the clock.")
+    srv_bch.add_argument("--plot", metavar="FILE", help="Write the latency CDFs and output "
+                         "tokens/s over time.")
+    srv_bch.add_argument("--save-result", metavar="FILE", help="Write the metrics as JSON.")
 
     exe = sub.add_parser("exercise", help="Check a lesson's build exercise: your file in "
                          "lessons/exercises/ against the exercise's oracle.")

@@ -65,17 +65,21 @@ if __name__ == "__main__":
 """
 
 
+def vllm_env(kv_cache_gb: float = 4) -> dict:
+    """The environment for vLLM's CPU build: every core, and a KV cache of `kv_cache_gb` GiB."""
+    return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}"}
+
+
 def run_vllm(python: str, spec: dict) -> list[float]:
-    cores = os.cpu_count()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, script = os.path.join(tmp, "spec.json"), os.path.join(tmp, "run_vllm.py")
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         with open(script, "w") as f:
             f.write(VLLM_SIDE)
-        proc = subprocess.run([python, script, spec_path], env=env, capture_output=True, text=True)
+        proc = subprocess.run([python, script, spec_path], env=vllm_env(), capture_output=True,
+                              text=True)
     if proc.returncode != 0:
         raise SystemExit(f"vLLM failed:\n{proc.stderr[-3000:]}")
     return [json.loads(line.split(" ", 1)[1])["output_tok_s"]
