@@ -37,7 +37,7 @@ from rich.table import Table
 
 from compare_vllm import vllm_env
 from nanoserve import bench_serve
-from nanoserve.bench import make_checkpoint
+from nanoserve.bench import cpu_description, make_checkpoint
 
 LOADS = {"poisson-2": (48, 2.0), "burst": (64, math.inf)}   # name: (requests, req/s)
 INPUT_LEN, OUTPUT_LEN = (32, 512), (32, 256)
@@ -99,13 +99,6 @@ def run_loads(url: str, server: str, sizes: dict) -> dict:
     return runs
 
 
-def machine() -> str:
-    fields = dict(line.split(":", 1) for line in subprocess.run(
-        ["lscpu"], capture_output=True, text=True).stdout.splitlines() if ":" in line)
-    get = lambda key: fields.get(key, "?").strip()
-    return f"{get('Model name')}, {get('CPU(s)')} CPUs\nflags: {get('Flags')}"
-
-
 def print_table(all_runs: dict, sizes: dict) -> None:
     table = Table(title="serving: output tokens/s and latency percentiles (ms)")
     for col in ("load", "server", "output tok/s", "TTFT p50 / p99", "ITL p50 / p99", "E2E p50",
@@ -124,7 +117,7 @@ def print_table(all_runs: dict, sizes: dict) -> None:
                           "-" if e2e is None else f"{e2e / 1e3:.1f} s", str(m["failed"]))
     console = Console(width=None if sys.stdout.isatty() else 120)   # a log keeps whole rows
     console.print(table)
-    console.print(machine(), soft_wrap=True)
+    console.print(f"machine: {cpu_description()}", soft_wrap=True)
 
 
 def main():
