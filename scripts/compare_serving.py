@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def running(name: str, cmd: list[str], env: dict, port: int, log_dir: str, timeout: float):
     """Start a server (in its own session, so that stop() reaches all its processes), wait for
-    /health, yield its base URL; stop it however the block ends."""
+    /health, yield (its base URL, its pid); stop it however the block ends."""
     log_path = os.path.join(log_dir, f"{name}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -76,7 +76,7 @@ def running(name: str, cmd: list[str], env: dict, port: int, log_dir: str, timeo
                 tail = Path(log_path).read_text()[-3000:]
                 raise SystemExit(f"{name} did not come up (exit code {proc.poll()}):\n{tail}")
             time.sleep(1)
-        yield url
+        yield url, proc.pid
     finally:
         stop(proc)
 
@@ -150,7 +150,7 @@ def main():
     all_runs = {}
     with tempfile.TemporaryDirectory() as logs:
         for name, (cmd, env) in servers.items():
-            with running(name.split()[0], cmd, env, port, logs, args.startup_timeout) as url:
+            with running(name.split()[0], cmd, env, port, logs, args.startup_timeout) as (url, _):
                 all_runs[name] = run_loads(url, name, sizes)
     print_table(all_runs, sizes)
     if args.plot_dir:
