@@ -39,7 +39,7 @@ from nanoserve.models import get_model_class
 from nanoserve.paged_attention import AttentionMetadata
 from nanoserve.paged_attention_cpu import load as load_cpu_kernel
 from nanoserve.sampler import Sampler, SamplingMetadata
-from nanoserve.scheduler import SchedulerOutput
+from nanoserve.request import SchedulerOutput
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_GB = 1.0     # the CPU default: room for ~45k tokens of nanoserve-tiny, fits a laptop

@@ -5,7 +5,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanoserve"
 MAX_LINES_PER_FILE = 400
-MAX_LINES_TOTAL = 5000
+MAX_LINES_TOTAL = 5400   # was 5000; +400 when the engine core got its own process (core_client.py)
 
 
 def test_line_budget():
