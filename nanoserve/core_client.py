@@ -19,7 +19,7 @@ reads EOF, so it never outlives its parent, even one killed with SIGKILL; it ign
 (Ctrl-C reaches the whole process group: the API server stops it). The API server watches
 the child's sentinel: a dead engine core is reported at once (`dead`), never waited on.
 
-Run the tests: `pytest tests/test_api.py -k engine_process`.
+Run the tests: `pytest tests/test_api.py -k "engine_core or outlives"`.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.api import MAX_BODY_BYTES, build_app
+from nanoserve.engine_core import EngineDeadError
 
 KEY, MODEL = "test-key", "tiny"
 CONFIG = dict(max_model_len=256, block_size=16, num_kv_blocks=64, device="cpu")
@@ -305,6 +306,8 @@ def test_serve_cli_flags():
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, "k")
     assert Config.from_cli_args(args) == Config(model="nanoserve-tiny", max_model_len=64)
     assert build_parser().parse_args(["serve", "path/to/ckpt"]).model == "path/to/ckpt"
+    assert Config().engine_process and not Config.from_cli_args(
+        build_parser().parse_args(["serve", "--no-engine-process"])).engine_process
 
 
 def test_dead_engine_core_process_fails_open_streams_and_health(server):
@@ -327,6 +330,35 @@ def test_dead_engine_core_process_fails_open_streams_and_health(server):
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and str(pid) in health.json()["error"]["message"]
         assert raw(SimpleNamespace(url=url), OK).status_code == 503
+
+
+def test_an_error_in_the_engine_core_loop_fails_every_stream(server, monkeypatch):
+    """Not a failed step (that fails its own requests only) but the loop itself: every open
+    stream, and every request after it, gets EngineDeadError saying why."""
+    engine = AsyncLLM(server.path, **CONFIG, engine_process=False)
+    scheduler, calls = engine.engine_core.core.scheduler, []
+    real = scheduler.schedule
+
+    def schedule():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("scheduler bug")
+        return real()
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+
+    async def run(i):
+        async for _ in engine.generate("hello", SamplingParams(max_tokens=50, ignore_eos=True),
+                                       f"r{i}"):
+            pass
+
+    async def main():
+        results = await asyncio.wait_for(asyncio.gather(run(0), run(1), return_exceptions=True), 30)
+        with pytest.raises(EngineDeadError, match="scheduler bug"):
+            await run(2)
+        await engine.shutdown()
+        return results
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) and "scheduler bug" in str(r) for r in results), results
 
 
 def _descendants(pid: int) -> set[int]:
