@@ -12,7 +12,7 @@ _EXPORTS = {
     "Config": "nanoserve.config",
     "SamplingParams": "nanoserve.sampling_params",
     "LLM": "nanoserve.engine",
-    "EngineCore": "nanoserve.engine",
+    "EngineCore": "nanoserve.engine_core",
     "AsyncLLM": "nanoserve.engine",
     "RequestOutput": "nanoserve.output_processor",
     "CompletionOutput": "nanoserve.output_processor",

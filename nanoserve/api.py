@@ -33,7 +33,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanoserve.engine import AsyncLLM, EngineStepError
+from nanoserve.engine import AsyncLLM
+from nanoserve.engine_core import EngineDeadError, EngineStepError
 from nanoserve.output_processor import CompletionOutput
 from nanoserve.sampling_params import SamplingParams, is_int, is_num
 
@@ -145,9 +146,9 @@ class Generation:
                 if out.finished:
                     self.server.e2e.observe(now - self.start_time)
                 self._queue.put_nowait((i, out))
-        except (ValueError, EngineStepError) as e:   # ValueError: before the engine saw anything;
-            self.status = "error"                     # a failed step: the engine goes on
-            status = 400 if isinstance(e, ValueError) else 500
+        except (ValueError, EngineStepError, EngineDeadError) as e:   # 400: refused up front;
+            self.status = "error"       # 500: a failed step (the engine goes on); 503: it stopped
+            status = {ValueError: 400, EngineStepError: 500}.get(type(e), 503)
             self._queue.put_nowait((i, APIError(status, str(e), _param_of(e))))
 
     async def _next(self):
@@ -250,7 +251,6 @@ class OpenAIServer(Starlette):
                 ("time_to_first_token_seconds", "Arrival to first token.", fast),   # 1 ms..16 s
                 ("inter_token_latency_seconds", "Between two outputs of a request.", fast),
                 ("e2e_request_latency_seconds", "Arrival to last token.", slow)))  # 10 ms..164 s
-
         @contextlib.asynccontextmanager
         async def lifespan(app):
             yield
@@ -259,7 +259,8 @@ class OpenAIServer(Starlette):
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models),
-            Route("/health", lambda request: Response()),   # (sync routes run in a thread)
+            Route("/health", lambda request: Response() if engine.dead_error is None   # 503 and
+                  else APIError(503, str(engine.dead_error)).response()),            # why: stopped
             Route("/metrics", lambda request: Response(generate_latest(self.registry),
                                                        media_type=CONTENT_TYPE_LATEST)),
         ], lifespan=lifespan, exception_handlers={APIError: _error, HTTPException: _error})

@@ -49,6 +49,8 @@ def _serve(args: argparse.Namespace) -> None:
     from nanoserve.engine import AsyncLLM
     config = Config.from_cli_args(args)
     engine = AsyncLLM(**vars(config))
+    for role, pid in engine.engine_core.processes:      # the process tree, for ps / kill / top
+        print(f"nanoserve serve: {role}: pid {pid}", file=sys.stderr, flush=True)
     app = build_app(engine, args.served_model_name or config.model, args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, access_log=False)   # api.py logs requests
 

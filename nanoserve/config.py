@@ -67,6 +67,10 @@ class Config:
     trace: Optional[str] = _f(None, "Write a JSONL trace of every step to this path.")
     debug: int = _f(0, "Show more: 1 prints one line per step to stderr; 2 also asserts the KV "
                     "cache invariants after every step.")
+    # -- processes -----------------------------------------------------------
+    engine_process: bool = _f(True, "Serve with the engine core in its own process (vLLM V1's "
+                              "layout); --no-engine-process steps it in a thread of the API "
+                              "server (lessons, debugging). The offline LLM always steps it itself.")
 
     def __post_init__(self):
         _positive_int(self, "block_size")

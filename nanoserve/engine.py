@@ -1,16 +1,17 @@
-"""engine.py: the engine core's step loop, and `LLM`, the offline entry point over it.
+"""engine.py: the front ends over the engine core: `LLM` (offline) and `AsyncLLM` (the server's).
 
     from nanoserve import LLM, SamplingParams
     llm = LLM()                                     # the built-in nanoserve-tiny
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
     print(out[0].outputs[0].text)
 
-`EngineCore.step()` is the whole loop of the design: schedule -> the worker runs the model
-and samples -> the scheduler appends tokens and checks stops. Every unfinished request
-simply stays in the scheduler for the next step. The core speaks token ids only; `LLM`
-(and the server's AsyncLLM) tokenize prompts and turn token ids back into text
-(output_processor.py). An n > 1 request becomes n child requests with the same prompt,
-which share the prompt's KV blocks through the prefix cache, as in vLLM V1.
+The engine core (engine_core.py) speaks token ids only. Both front ends do the same three
+things around it: `Processor` turns a prompt into engine Requests (tokenize, validate with
+`check_fits`, fan out n > 1), `OutputProcessor` (output_processor.py) turns the engine's
+token ids back into text and stop strings, and they talk to the engine core through its
+methods alone (`LLM` steps it itself; `AsyncLLM` through a client, core_client.py, with the
+core in its own process or in a thread). An n > 1 request becomes n child requests with
+the same prompt, which share the prompt's KV blocks through the prefix cache, as in vLLM V1.
 
 Lesson: lessons/01-the-map.md
 """
@@ -21,108 +22,29 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import sys
 import time
 from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 from nanoserve.config import DEFAULT_MODEL, Config
-from nanoserve.kv_cache import KVCacheManager
-from nanoserve.output_processor import RequestOutput, RequestState, load_tokenizer
+from nanoserve.core_client import InprocClient, MPClient
+from nanoserve.engine_core import EngineCore, EngineDeadError
+from nanoserve.output_processor import OutputProcessor, RequestOutput, load_tokenizer
+from nanoserve.request import Request, check_fits
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import EngineCoreOutput, Request, Scheduler
-from nanoserve.trace import Tracer
-from nanoserve.worker import ModelRunner
 
 PromptType = Union[str, dict]
-
-
-class EngineCore:
-    """Scheduler + KV cache manager + model runner, stepped by whoever drives it."""
-
-    def __init__(self, config: Config):
-        self.tracer = Tracer.open(config.trace)
-        self.runner = ModelRunner(config)
-        self.config = config = self.runner.config        # resolved: fixed from here on
-        self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
-                                               config.enable_prefix_caching, self.tracer)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, self.tracer)
-        # Where the time goes (seconds, summed over steps); `nanoserve bench` prints them.
-        self.timings = self.runner.timings
-        self.timings.update(schedule=0.0, update=0.0)
-        self.num_batched_requests = 0       # summed over steps: / steps = mean batch size
-        if self.tracer.enabled:
-            self.tracer.emit("config", **dataclasses.asdict(config))
-            self.tracer.flush()
-
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-
-    def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
-        return [EngineCoreOutput(r.request_id, [], "abort")
-                for r in self.scheduler.abort(request_ids)]
-
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
-    def step(self) -> list[EngineCoreOutput]:
-        start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.requests:
-            return []
-        self.timings["schedule"] += time.perf_counter() - start
-        self.num_batched_requests += len(scheduler_output.requests)
-        try:
-            sampled, logprobs = self.runner.execute_model(scheduler_output)
-        except Exception as e:
-            # The step's requests cannot go on; everyone else can. Roll their progress back
-            # first, so that blocks this step should have filled leave the prefix cache.
-            for request, computed in zip(scheduler_output.requests,
-                                         scheduler_output.num_computed_tokens):
-                request.num_computed_tokens = computed
-            failed = [r.request_id for r in scheduler_output.requests]
-            self.scheduler.abort(failed)
-            raise EngineStepError(failed, e) from e
-        update_start = time.perf_counter()
-        outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
-        self.timings["update"] += time.perf_counter() - update_start
-        if self.config.debug:
-            self._debug(scheduler_output, time.perf_counter() - start)
-        if self.tracer.enabled:
-            self.tracer.emit("step_done", duration_s=round(time.perf_counter() - start, 6),
-                             sampled=sampled)
-            self.tracer.flush()
-        return outputs
-
-    def _debug(self, out, duration: float) -> None:
-        pool = self.kv_cache_manager.pool
-        print(f"step {self.scheduler.num_steps}: {len(out.requests)} reqs, "
-              f"{out.total_num_scheduled_tokens} tokens, running {len(self.scheduler.running)} "
-              f"waiting {len(self.scheduler.waiting)}, kv {pool.num_blocks - pool.num_free_blocks}"
-              f"/{pool.num_blocks} used ({pool.num_cached_free_blocks} cached free), "
-              f"preempted {out.preempted_req_ids or '-'}, {duration * 1e3:.1f} ms", file=sys.stderr)
-        if self.config.debug >= 2:
-            self.kv_cache_manager.check_invariants()
-
-
-class EngineStepError(RuntimeError):
-    """A step failed; `request_ids` were in it and have been aborted (the engine goes on)."""
-
-    def __init__(self, request_ids: list[str], cause: Exception):
-        super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
-        self.request_ids = request_ids
 
 
 class Processor:
     """Prompt + SamplingParams -> engine Requests (tokenize, validate, fan out n > 1)."""
 
-    def __init__(self, config: Config, tokenizer, runner: ModelRunner):
+    def __init__(self, config: Config, tokenizer, vocab_size: int, model_path: str):
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = runner.vocab_size
-        gen_eos = _generation_config_eos(runner.model_path)
-        config_eos = getattr(runner.hf_config, "eos_token_id", None)
-        fallback_eos = tokenizer.eos_token_id if tokenizer is not None else (
-            config_eos[0] if isinstance(config_eos, list) else config_eos)
+        self.vocab_size = vocab_size
+        gen_eos = _generation_config_eos(model_path)
+        fallback_eos = (tokenizer.eos_token_id if tokenizer is not None
+                        else _config_eos(model_path))   # skip_tokenizer_init: config.json's
         self.eos_token_id = gen_eos[0] if gen_eos else fallback_eos
         # Extra EOS ids (e.g. Llama 3's <|eot_id|>) stop generation unless ignore_eos.
         self.extra_eos_ids = [t for t in gen_eos if t != self.eos_token_id]
@@ -144,7 +66,9 @@ class Processor:
     def make_requests(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, priority: int = 0) -> list[Request]:
         """One Request per completion. Children of n > 1 get ids '{i}_{request_id}' and, when
-        seeded, seeds seed + i, so they differ yet reproduce (as in vLLM)."""
+        seeded, seeds seed + i, so they differ yet reproduce (as in vLLM). ValueError for a
+        request that could never run: the same check for both front ends."""
+        check_fits(self.config, len(prompt_token_ids), params.max_tokens)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.config.max_logprobs}) "
                              f"(got {params.logprobs})")
@@ -166,6 +90,12 @@ class Processor:
                 for i in range(params.n)]
 
 
+def _config_eos(path) -> Optional[int]:
+    from transformers import AutoConfig
+    eos = getattr(AutoConfig.from_pretrained(path), "eos_token_id", None)
+    return eos[0] if isinstance(eos, list) else eos
+
+
 def _generation_config_eos(path) -> list[int]:
     from transformers import GenerationConfig
     try:
@@ -176,13 +106,16 @@ def _generation_config_eos(path) -> list[int]:
 
 
 class LLM:
-    """Offline, synchronous generation: `LLM(model, **config_fields).generate(prompts, params)`."""
+    """Offline, synchronous generation: `LLM(model, **config_fields).generate(prompts, params)`.
+    The engine core lives in this process and `LLM` steps it itself."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
         self.engine = EngineCore(Config(model=model, **kwargs))
         self.config = self.engine.config
-        self.tokenizer = load_tokenizer(self.config, self.engine.runner.model_path)
-        self.processor = Processor(self.config, self.tokenizer, self.engine.runner)
+        self.tokenizer = load_tokenizer(self.config, self.engine.model_path)
+        self.processor = Processor(self.config, self.tokenizer, self.engine.vocab_size,
+                                   self.engine.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
@@ -200,24 +133,21 @@ class LLM:
                              f"(got {len(sampling_params)} for {len(prompts)} prompts)")
         # Validate everything before adding anything: a bad prompt must not leave the others
         # half-added to the engine.
-        outputs, states, requests = [], {}, []
+        outputs, requests = [], []
         for prompt, params in zip(prompts, sampling_params):
             text, ids = self.processor.prompt_token_ids(prompt)
-            self.engine.scheduler.check_fits(len(ids), params.max_tokens)
             request_id = str(next(self._ids))
-            children = self.processor.make_requests(request_id, ids, params)
-            output = RequestOutput(request_id, text, ids, [])
-            for index, request in enumerate(children):
-                states[request.request_id] = (output, RequestState(
-                    request.request_id, index, ids, request.sampling_params, self.tokenizer))
-            outputs.append(output)
-            requests += children
-        for request in requests:
-            self.engine.add_request(request)
-        self._run(states, len(requests), progress)
-        for output in outputs:
-            output.outputs = [state.completion() for out, state in states.values() if out is output]
-            output.finished = True
+            requests.append(self.processor.make_requests(request_id, ids, params))
+            outputs.append(RequestOutput(request_id, text, ids, [], finished=True))
+        try:
+            for output, children in zip(outputs, requests):
+                self._add(output.request_id, children)
+            self._run(sum(map(len, requests)), progress)
+            for output in outputs:
+                output.outputs = self.output_processor.completions(output.request_id)
+        finally:
+            for output in outputs:
+                self.output_processor.remove(output.request_id)
         return outputs
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None
@@ -227,79 +157,87 @@ class LLM:
         if params.n != 1:
             raise ValueError(f"n must be 1 when streaming (got {params.n})")
         _, ids = self.processor.prompt_token_ids(prompt)
-        (request,) = self.processor.make_requests(str(next(self._ids)), ids, params)
-        state = RequestState(request.request_id, 0, ids, request.sampling_params, self.tokenizer)
-        self.engine.add_request(request)
-        for _ in self._steps({request.request_id: (None, state)}):
-            delta = state.new_text()
-            if delta:
-                yield delta
+        request_id = str(next(self._ids))
+        self._add(request_id, self.processor.make_requests(request_id, ids, params))
+        try:
+            for outputs in self._steps():
+                for output in outputs:
+                    if output.outputs[0].text:
+                        yield output.outputs[0].text
+        finally:
+            self.engine.abort(self.output_processor.remove(request_id))
 
-    def _steps(self, states: dict) -> Iterator[list]:
-        """Step the engine until it is idle, feeding each output to its RequestState and
-        aborting the requests a stop string ended; yields each step's outputs."""
+    def _add(self, request_id: str, children: list[Request]) -> None:
+        self.output_processor.add_request(request_id, children)
+        for request in children:
+            self.engine.add_request(request)
+
+    def _steps(self) -> Iterator[list[RequestOutput]]:
+        """Step the engine until it is idle, aborting the requests a stop string ended; yields
+        each step's RequestOutputs (what is new)."""
         while self.engine.has_unfinished_requests():
-            outputs = self.engine.step()
-            self.engine.abort([o.request_id for o in outputs
-                               if states[o.request_id][1].process(o)])
+            outputs, stopped = self.output_processor.process_outputs(self.engine.step())
+            self.engine.abort(stopped)
             yield outputs
 
-    def _run(self, states: dict, total: int, progress: bool) -> None:
+    def _run(self, total: int, progress: bool) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
         columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[tps]:.1f} tok/s"), TimeElapsedColumn())
         start, tokens, done = time.perf_counter(), 0, 0
         with Progress(*columns, disable=not progress) as bar:
             task = bar.add_task("generate", total=total, tps=0.0)
-            for outputs in self._steps(states):
-                done += sum(states[o.request_id][1].finish_reason is not None for o in outputs)
-                tokens += sum(len(o.new_token_ids) for o in outputs)
+            for outputs in self._steps():
+                done += sum(c.finished for output in outputs for c in output.outputs)
+                tokens += sum(len(c.token_ids) for output in outputs for c in output.outputs)
                 bar.update(task, completed=done, tps=tokens / (time.perf_counter() - start))
 
 
 class AsyncLLM:
-    """The engine for a server: many concurrent `generate` streams over one EngineCore.
+    """The engine for a server: many concurrent `generate` streams over one engine core.
 
         async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
             print(out.outputs[0].text, end="")      # each output holds only what is new
 
-    One background task owns the EngineCore: it takes new requests and aborts from an
-    asyncio queue between steps, runs each blocking step in a worker thread
-    (asyncio.to_thread) so the event loop keeps serving HTTP, and puts every request's
-    new text on that request's own queue. With nothing to do it sleeps on the input queue
-    instead of spinning. A failed step fails only the requests that were in it.
+    The engine core runs its own busy loop, in a process of its own (`engine_process`, the
+    default) or in a thread (core_client.py); this side sends it requests and aborts, and
+    one task (`_handle_outputs`) takes each step's outputs, turns them into text and puts
+    every request's new text on that request's own queue. A failed step fails only the
+    requests that were in it; an engine core that stops (an error in its loop, or its
+    process died) fails every open stream with EngineDeadError, and so does every new request
+    (the server's /health then answers 503).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
-        self.engine = EngineCore(Config(model=model, **kwargs))
-        self.config = self.engine.config
-        self.tokenizer = load_tokenizer(self.config, self.engine.runner.model_path)
-        self.processor = Processor(self.config, self.tokenizer, self.engine.runner)
-        self._inputs: Optional[asyncio.Queue] = None   # ("add", [Request]) | ("abort", [ids])
+        config = Config(model=model, **kwargs)
+        self.engine_core = MPClient(config) if config.engine_process else InprocClient(config)
+        self.config = self.engine_core.config
+        self.tokenizer = load_tokenizer(self.config, self.engine_core.model_path)
+        self.processor = Processor(self.config, self.tokenizer, self.engine_core.vocab_size,
+                                   self.engine_core.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = self.engine_core.stats             # the engine's, as of its last message
+        self.dead_error: Optional[EngineDeadError] = None
         self._streams: dict[str, asyncio.Queue] = {}    # request id -> its outputs
-        self._states: dict[str, tuple[str, RequestState]] = {}   # child id -> (request id, state)
-        self._children: dict[str, list[str]] = {}       # request id -> child ids
-        self._loop_task: Optional[asyncio.Task] = None
+        self._output_task: Optional[asyncio.Task] = None
         self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput each time the request gains text, the last one finished.
         Raises ValueError (before anything reaches the engine) for a request that cannot run."""
+        if self.dead_error is not None:
+            raise self.dead_error
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.processor.prompt_token_ids(prompt)
-        self.engine.scheduler.check_fits(len(ids), sampling_params.max_tokens)
         children = self.processor.make_requests(request_id, ids, sampling_params, priority)
-        self._start()
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
         stream = self._streams[request_id] = asyncio.Queue()
-        self._children[request_id] = [c.request_id for c in children]
-        for index, child in enumerate(children):
-            self._states[child.request_id] = (request_id, RequestState(
-                child.request_id, index, ids, child.sampling_params, self.tokenizer))
+        self.output_processor.add_request(request_id, children)
         self.num_prompt_tokens_total += len(ids) * len(children)
-        self._inputs.put_nowait(("add", children))
+        self.engine_core.send("add", children)
         finished = False
         try:
             while not finished:
@@ -309,90 +247,50 @@ class AsyncLLM:
                 finished = item.finished
                 yield RequestOutput(request_id, text, ids, item.outputs, finished)
         finally:
+            children_ids = self.output_processor.remove(request_id)
+            self._streams.pop(request_id, None)
             if not finished:       # the consumer went away (client disconnected): free it all
-                self.abort(request_id)
-            self._forget(request_id)
+                self.engine_core.send("abort", children_ids)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the engine frees its blocks before the next step."""
-        if request_id in self._children and self._inputs is not None:
-            self._inputs.put_nowait(("abort", self._children[request_id]))
+        if request_id in self.output_processor.children:
+            self.engine_core.send("abort", self.output_processor.children[request_id])
 
     def get_stats(self) -> dict:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_cache_manager
-        return {"num_requests_running": len(scheduler.running),
-                "num_requests_waiting": len(scheduler.waiting),
-                "kv_cache_usage_perc": kv.usage(),
-                "num_preemptions_total": scheduler.num_preemptions_total,
-                "prefix_cache_queries_total": kv.prefix_cache_queries,
-                "prefix_cache_hits_total": kv.prefix_cache_hits,
-                "prompt_tokens_total": self.num_prompt_tokens_total,
-                "generation_tokens_total": self.num_generation_tokens_total}
+        return {**self.stats, "prompt_tokens_total": self.num_prompt_tokens_total,
+                "generation_tokens_total": self.output_processor.num_generation_tokens_total}
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        if self._output_task is not None:
+            self._output_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
-            self._loop_task = None
-        self.engine.tracer.close()
+                await self._output_task
+        self.engine_core.shutdown()
 
-    def _start(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._inputs = asyncio.Queue()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_engine())
-
-    def _forget(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        for child_id in self._children.pop(request_id, []):
-            self._states.pop(child_id, None)
-
-    async def _run_engine(self) -> None:
-        while True:
-            if not self.engine.has_unfinished_requests():
-                self._apply(await self._inputs.get())        # idle: sleep until work arrives
-            while not self._inputs.empty():
-                self._apply(self._inputs.get_nowait())
-            try:
-                outputs = await asyncio.to_thread(self.engine.step)
-            except EngineStepError as e:
-                for child_id in e.request_ids:
-                    self._fail(child_id, e)
-                continue
-            self._dispatch(outputs)
-
-    def _apply(self, item: tuple[str, list]) -> None:
-        kind, payload = item
-        if kind == "abort":
-            self._dispatch(self.engine.abort(payload))
-            return
-        for request in payload:
-            try:
-                self.engine.add_request(request)
-            except ValueError as e:   # e.g. a duplicate id: only this request fails
-                self._fail(request.request_id, e)
+    async def _handle_outputs(self) -> None:
+        """Each message of the engine core: outputs to their streams, failures to theirs."""
+        try:
+            while True:
+                message = await self.engine_core.get_output()
+                if message.dead:
+                    raise EngineDeadError(f"the engine core stopped: {message.error}")
+                self.stats = message.stats
+                for child_id, error in message.failed.items():
+                    self._fail(child_id, error)
+                outputs, stopped = self.output_processor.process_outputs(message.outputs)
+                if stopped:      # their states already hold the final text and "stop"
+                    self.engine_core.send("abort", stopped)
+                for output in outputs:
+                    self._streams[output.request_id].put_nowait(output)
+        except Exception as e:   # nothing will run any more: every open stream must hear it
+            self.dead_error = e if isinstance(e, EngineDeadError) else EngineDeadError(
+                f"the engine's output handler failed: {type(e).__name__}: {e}")
+            for stream in self._streams.values():
+                stream.put_nowait(self.dead_error)
 
     def _fail(self, child_id: str, error: Exception) -> None:
-        if child_id in self._states:
-            request_id, _ = self._states[child_id]
+        if child_id in self.output_processor.states:
+            request_id, _ = self.output_processor.states[child_id]
             self.abort(request_id)               # its siblings must not run on alone
             self._streams[request_id].put_nowait(error)
-
-    def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
-        """Feed outputs to their RequestStates; queue one RequestOutput per request."""
-        by_request: dict[str, list] = {}
-        stopped = []
-        for out in outputs:
-            if out.request_id not in self._states:
-                continue                     # its stream has already gone away
-            request_id, state = self._states[out.request_id]
-            if state.process(out):
-                stopped.append(out.request_id)
-            self.num_generation_tokens_total += len(out.new_token_ids)
-            by_request.setdefault(request_id, []).append(state.delta())
-        self.engine.abort(stopped)   # their states already hold the final text and "stop"
-        for request_id, completions in by_request.items():
-            finished = all(self._states[c][1].finish_reason is not None
-                           for c in self._children[request_id])
-            self._streams[request_id].put_nowait(RequestOutput(request_id, None, [], completions,
-                                                               finished))

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from nanoserve.trace import NULL_TRACER
 
 if TYPE_CHECKING:
-    from nanoserve.scheduler import Request
+    from nanoserve.request import Request
 
 
 def hash_block(parent_hash: Optional[bytes], token_ids: Sequence[int]) -> bytes:

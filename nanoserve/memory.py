@@ -4,7 +4,7 @@
     nanoserve memory examples/llama-3-8b-config.json --device-memory-gb 24 --plot memory.png
     nanoserve memory                     # the built-in model on this machine's GPU, or CPU rule
 
-It sizes the KV pool with the engine's own functions from worker.py, so the block count it
+It sizes the KV pool with the engine's own functions from model_loader.py, so the block count it
 prints is the block count the engine allocates at start-up:
 
     KV budget  = device x gpu_memory_utilization - weights - activation reserve
@@ -19,7 +19,7 @@ blocks, 462,784 tokens, 56 sequences of 8192 tokens at once.
 Weights are parameters x dtype bytes, counted from the checkpoint's safetensors headers (never
 the tensor data) or, with only a config.json, from the engine's own model built on the "meta"
 device (shapes without memory); the RoPE tables the model builds at load are added. The
-activation reserve is the engine's profile, estimated: `estimate_activation_bytes` (worker.py).
+activation reserve is the engine's profile, estimated: `estimate_activation_bytes` (model_loader.py).
 With --tensor-parallel-size N everything is per GPU: each holds 1/N of the weights and of the
 KV heads (at least one), as vLLM shards them. nanoserve itself runs on one device, and stores
 KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
@@ -43,9 +43,10 @@ from rich.table import Table
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.models import get_model_class
 from nanoserve.models.llama import head_dim_of
-from nanoserve.worker import (CPU_KV_CACHE_GB, estimate_activation_bytes, kv_cache_bytes_per_token,
-                              kv_cache_memory_budget, max_len_of, num_blocks_for_memory,
-                              resolve_dtype, resolve_model_path, safetensors_files)
+from nanoserve.model_loader import (CPU_KV_CACHE_GB, estimate_activation_bytes,
+                                    kv_cache_bytes_per_token, kv_cache_memory_budget, max_len_of,
+                                    num_blocks_for_memory, resolve_dtype, resolve_model_path,
+                                    safetensors_files)
 
 GiB = 2**30
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,

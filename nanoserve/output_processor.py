@@ -11,7 +11,8 @@ CPU work that must not slow the step loop), turns each step's new tokens into:
   one (unless include_stop_str_in_output), and the caller aborts the request in the
   engine. While streaming, the last len(longest stop) - 1 characters are held back, so a
   client never sees the start of a stop string that is then cut;
-- `RequestOutput`s in vLLM's shape (the engine gathers an n > 1 request's n children).
+- `RequestOutput`s in vLLM's shape: `OutputProcessor` gathers an n > 1 request's n children
+  and says which requests a stop string ended (the front end aborts them in the engine).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import EngineCoreOutput
+from nanoserve.request import EngineCoreOutput, Request
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Decode from this many prompt tokens before the output: tokenizers such as SentencePiece
@@ -171,3 +172,51 @@ class RequestState:
     def completion(self) -> CompletionOutput:
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
                                 self.stop_reason, self.logprobs)
+
+
+class OutputProcessor:
+    """Every live request's RequestStates: each step's EngineCoreOutputs in, one RequestOutput per
+    request that gained something out (its new text and tokens), plus the ids to abort."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.states: dict[str, tuple[str, RequestState]] = {}   # child id -> (request id, state)
+        self.children: dict[str, list[str]] = {}                # request id -> child ids
+        self.num_generation_tokens_total = 0
+
+    def add_request(self, request_id: str, children: list[Request]) -> None:
+        self.children[request_id] = [c.request_id for c in children]
+        for index, child in enumerate(children):
+            self.states[child.request_id] = (request_id, RequestState(
+                child.request_id, index, child.prompt_token_ids, child.sampling_params,
+                self.tokenizer))
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Feed each output to its state; returns the deltas (one RequestOutput per request) and
+        the child ids a stop string ended, which the caller must abort in the engine."""
+        deltas: dict[str, list[CompletionOutput]] = {}
+        stopped = []
+        for out in outputs:
+            if out.request_id not in self.states:
+                continue                     # its stream has already gone away
+            request_id, state = self.states[out.request_id]
+            if state.process(out):
+                stopped.append(out.request_id)
+            self.num_generation_tokens_total += len(out.new_token_ids)
+            deltas.setdefault(request_id, []).append(state.delta())
+        return [RequestOutput(rid, None, [], completions, self.finished(rid))
+                for rid, completions in deltas.items()], stopped
+
+    def finished(self, request_id: str) -> bool:
+        return all(self.states[c][1].finish_reason is not None for c in self.children[request_id])
+
+    def completions(self, request_id: str) -> list[CompletionOutput]:
+        """The request's completions whole, in index order."""
+        return [self.states[c][1].completion() for c in self.children[request_id]]
+
+    def remove(self, request_id: str) -> list[str]:
+        """Forget a request; returns its child ids (to abort those still in the engine)."""
+        children = self.children.pop(request_id, [])
+        for child_id in children:
+            self.states.pop(child_id, None)
+        return children

@@ -29,76 +29,13 @@ Lessons: lessons/03-continuous-batching.md, lessons/04-preemption.md
 from __future__ import annotations
 
 import bisect
-import enum
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from nanoserve.config import Config
 from nanoserve.kv_cache import KVCacheManager
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.request import EngineCoreOutput, Request, RequestStatus, SchedulerOutput, check_fits
 from nanoserve.trace import NULL_TRACER
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH_CAPPED = "length"
-    FINISHED_ABORTED = "abort"
-
-    @property
-    def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED,
-                        RequestStatus.FINISHED_ABORTED)
-
-
-class Request:
-    """One sequence in the engine: its tokens, its progress and its status."""
-
-    def __init__(self, request_id: str, prompt_token_ids: list[int],
-                 sampling_params: SamplingParams, eos_token_id: Optional[int] = None,
-                 arrival_time: Optional[float] = None, priority: int = 0):
-        self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
-        self.eos_token_id = eos_token_id
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.priority = priority          # lower value = served first (vLLM's convention)
-        self.all_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
-        self.num_computed_tokens = 0
-        self.block_hashes: list[bytes] = []   # filled by the KV cache manager
-        self.status = RequestStatus.WAITING
-        self.stop_reason: int | None = None   # the stop token id, when one ended it
-        self.num_preemptions = 0
-        self.max_tokens = 0                   # set by the scheduler: max_tokens capped by room
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.status.value if self.status.is_finished else None
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-
-    def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, computed "
-                f"{self.num_computed_tokens}/{self.num_tokens})")
 
 
 class WaitingQueue:
@@ -135,35 +72,6 @@ def _priority_key(request: Request) -> tuple[int, float]:
     return (request.priority, request.arrival_time)
 
 
-@dataclass
-class SchedulerOutput:
-    """What the worker runs this step. Parallel lists, one entry per scheduled request, in
-    batch order (running requests first, then newly admitted ones)."""
-
-    requests: list[Request]
-    num_scheduled_tokens: list[int]    # new tokens this step
-    num_computed_tokens: list[int]     # tokens already in the cache before this step
-    block_tables: list[list[int]]      # physical block ids of each request, logical order
-    preempted_req_ids: list[str] = field(default_factory=list)
-    # Requests finished or aborted since the last step: the worker drops their state.
-    finished_req_ids: set[str] = field(default_factory=set)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one request gained in one step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: Optional[str] = None     # "stop" | "length" | "abort"
-    stop_reason: Optional[int] = None       # the stop token id that ended it, if any
-    new_logprobs: Any = None                # the sampler's logprobs for the new token
-
-
 class Scheduler:
     def __init__(self, config: Config, kv_cache_manager: KVCacheManager, tracer=NULL_TRACER):
         assert config.max_model_len is not None and config.num_kv_blocks is not None, \
@@ -184,7 +92,7 @@ class Scheduler:
         """Queue a request, or refuse it now if it could never run."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        check_fits(self.config, request.num_prompt_tokens, request.sampling_params.max_tokens)
         max_tokens = request.sampling_params.max_tokens
         room = max(self.config.max_model_len - request.num_prompt_tokens, 1)
         request.max_tokens = room if max_tokens is None else min(max_tokens, room)
@@ -194,74 +102,17 @@ class Scheduler:
             self.tracer.emit("arrive", req=request.request_id, prompt_len=request.num_prompt_tokens,
                              max_tokens=request.max_tokens)
 
-    def check_fits(self, prompt_len: int, max_tokens: Optional[int]) -> None:
-        """ValueError (why, and by how much) for a request that could never finish."""
-        max_model_len, bs = self.config.max_model_len, self.block_size
-        if prompt_len == 0:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if prompt_len > max_model_len:
-            raise ValueError(f"prompt has {prompt_len} tokens, {prompt_len - max_model_len} more "
-                             f"than max_model_len ({max_model_len})")
-        final_len = min(prompt_len + (max_tokens or max_model_len), max_model_len)
-        # The last sampled token is never fed back, so at most final_len - 1 slots are used.
-        slots = max(prompt_len, final_len - 1)
-        capacity = self.kv.num_blocks * bs
-        if slots > capacity:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_tokens needs {slots} KV cache slots, "
-                f"{slots - capacity} more than the whole pool holds ({self.kv.num_blocks} blocks "
-                f"of {bs}); lower max_tokens or give the KV cache more memory")
-
     # -- one step ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Running requests first, then waiting ones while budget, seats and blocks last."""
         self.num_steps += 1
         if self.tracer.enabled:
             self.tracer.step = self.num_steps
-        budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}       # request id -> new tokens, in batch order
         preempted: list[Request] = []
-
-        # 1. Running requests, in admission order.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:   # only under `priority`
-                    budget += scheduled.pop(victim.request_id)
-                if self.running.index(victim) < i:
-                    i -= 1
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                scheduled[request.request_id] = num_new
-                budget -= num_new
-                i += 1
-                continue
-            break   # the request preempted itself: nobody below it is left to free blocks
-
-        # 2. Waiting requests, unless this step already had to preempt (no room).
-        while (not preempted and len(self.waiting) and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting.peek()
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
-                break
-            num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
-                break
-            self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit
-            self.running.append(request)
-            scheduled[request.request_id] = num_new
-            budget -= num_new
-
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
+        if not preempted:                    # a step that had to preempt has no room to admit
+            self._schedule_waiting(budget, scheduled)
         requests = [self.requests[rid] for rid in scheduled]
         output = SchedulerOutput(
             requests=requests,
@@ -278,6 +129,56 @@ class Scheduler:
         if self.tracer.enabled:
             self._trace_schedule(output)
         return output
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, int],
+                          preempted: list[Request]) -> int:
+        """Give each running request, in admission order, its new tokens; returns the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            victims = self._make_room(request, num_new)
+            preempted += victims
+            for victim in victims:            # under `priority` a victim may be scheduled already
+                budget += scheduled.pop(victim.request_id, 0)
+            if victims and victims[-1] is request:
+                break   # the request preempted itself: nobody below it is left to free blocks
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            i = self.running.index(request) + 1 if victims else i + 1
+        return budget
+
+    def _make_room(self, request: Request, num_new: int) -> list[Request]:
+        """Allocate the request's new slots, preempting until they fit; returns the preempted
+        (the request itself last, when nobody else was left to preempt)."""
+        victims = []
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = self._pick_victim()
+            self.running.remove(victim)
+            self._preempt(victim)
+            victims.append(victim)
+            if victim is request:
+                break
+        return victims
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
+        """Admit waiting requests (FCFS or priority order) while budget, seats and blocks last;
+        a prefix-cache hit counts as computed."""
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, num_hit, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

@@ -19,7 +19,8 @@ from rich.table import Table
 from nanoserve.config import Config
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Request, Scheduler
+from nanoserve.request import Request
+from nanoserve.scheduler import Scheduler
 
 
 def bench(num_running: int, steps: int, prompt_len: int = 128, block_size: int = 16) -> dict:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from nanoserve.config import Config
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Request, Scheduler
+from nanoserve.request import Request
+from nanoserve.scheduler import Scheduler
 
 VOCAB = 50
 

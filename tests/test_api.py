@@ -8,10 +8,15 @@ tiny checkpoint: whatever the API does to a request, greedy text must come out t
 import asyncio
 import contextlib
 import json
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -22,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.api import MAX_BODY_BYTES, build_app
+from nanoserve.engine_core import EngineDeadError
 
 KEY, MODEL = "test-key", "tiny"
 CONFIG = dict(max_model_len=256, block_size=16, num_kv_blocks=64, device="cpu")
@@ -41,10 +47,11 @@ def server(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
-    engine = AsyncLLM(str(path), **CONFIG)
+    engine = AsyncLLM(str(path), **CONFIG)      # the engine core in its own process
     with serve(engine, MODEL, KEY) as url:
         yield SimpleNamespace(url=url, engine=engine, tokenizer=tokenizer, llm=LLM(str(path), **CONFIG),
-                              client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0))
+                              path=str(path), client=openai.OpenAI(base_url=url + "/v1", api_key=KEY,
+                                                                   max_retries=0))
 
 
 @contextlib.contextmanager
@@ -216,7 +223,10 @@ def test_error_table(server):
 
 
 def test_engine_step_failure_is_a_500_and_the_server_goes_on(server, monkeypatch):
-    runner, calls = server.engine.engine.runner, []
+    # The engine core in a thread of this process (--no-engine-process), so that its runner
+    # can be made to fail; the failure travels the same way as from the engine core process.
+    engine = AsyncLLM(server.path, **CONFIG, engine_process=False)
+    runner, calls = engine.engine_core.core.runner, []
     real = runner.execute_model
 
     def fail_once(*args):
@@ -225,12 +235,17 @@ def test_engine_step_failure_is_a_500_and_the_server_goes_on(server, monkeypatch
             raise RuntimeError("boom")
         return real(*args)
     monkeypatch.setattr(runner, "execute_model", fail_once)
-    response = raw(server, OK)
-    assert response.status_code == 500 and "boom" in response.json()["error"]["message"]
-    calls.clear()
-    with pytest.raises(openai.APIError, match="boom"):
-        list(server.client.completions.create(model=MODEL, prompt="hi", max_tokens=4, stream=True))
-    assert raw(server, OK).status_code == 200
+    with serve(engine, MODEL, KEY) as url:
+        inproc = SimpleNamespace(url=url, client=openai.OpenAI(base_url=url + "/v1", api_key=KEY,
+                                                               max_retries=0))
+        response = raw(inproc, OK)
+        assert response.status_code == 500 and "boom" in response.json()["error"]["message"]
+        calls.clear()
+        with pytest.raises(openai.APIError, match="boom"):
+            list(inproc.client.completions.create(model=MODEL, prompt="hi", max_tokens=4,
+                                                  stream=True))
+        assert raw(inproc, OK).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -291,3 +306,105 @@ def test_serve_cli_flags():
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, "k")
     assert Config.from_cli_args(args) == Config(model="nanoserve-tiny", max_model_len=64)
     assert build_parser().parse_args(["serve", "path/to/ckpt"]).model == "path/to/ckpt"
+    assert Config().engine_process and not Config.from_cli_args(
+        build_parser().parse_args(["serve", "--no-engine-process"])).engine_process
+
+
+def test_dead_engine_core_process_fails_open_streams_and_health(server):
+    """SIGKILL the engine core process mid-stream: the open stream ends with an error, /health
+    turns 503 and a new request is refused, within seconds, instead of everyone waiting."""
+    engine = AsyncLLM(server.path, **CONFIG)
+    ((_, pid),) = [p for p in engine.engine_core.processes if p[0] == "engine core"]
+    with serve(engine, MODEL, KEY) as url:
+        assert httpx.get(url + "/health").status_code == 200
+        body = {**OK, "max_tokens": 240, "stream": True, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers,
+                          timeout=10) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert "error" not in next(lines)
+            os.kill(pid, signal.SIGKILL)
+            rest = list(lines)      # the stream ends: no more tokens can come
+        errors = [json.loads(line[len("data: "):])["error"] for line in rest if '"error"' in line]
+        assert errors and "engine core" in errors[0]["message"] and rest[-1] == "data: [DONE]"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and str(pid) in health.json()["error"]["message"]
+        assert raw(SimpleNamespace(url=url), OK).status_code == 503
+
+
+def test_an_error_in_the_engine_core_loop_fails_every_stream(server, monkeypatch):
+    """Not a failed step (that fails its own requests only) but the loop itself: every open
+    stream, and every request after it, gets EngineDeadError saying why."""
+    engine = AsyncLLM(server.path, **CONFIG, engine_process=False)
+    scheduler, calls = engine.engine_core.core.scheduler, []
+    real = scheduler.schedule
+
+    def schedule():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("scheduler bug")
+        return real()
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+
+    async def run(i):
+        async for _ in engine.generate("hello", SamplingParams(max_tokens=50, ignore_eos=True),
+                                       f"r{i}"):
+            pass
+
+    async def main():
+        results = await asyncio.wait_for(asyncio.gather(run(0), run(1), return_exceptions=True), 30)
+        with pytest.raises(EngineDeadError, match="scheduler bug"):
+            await run(2)
+        await engine.shutdown()
+        return results
+    results = asyncio.run(main())
+    assert all(isinstance(r, EngineDeadError) and "scheduler bug" in str(r) for r in results), results
+
+
+def _descendants(pid: int) -> set[int]:
+    children = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children |= {int(c) for c in (task / "children").read_text().split()}
+    return children.union(*(_descendants(c) for c in children)) if children else children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"   # not a zombie
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree in /proc")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_serve_logs_its_processes_and_none_outlives_it(server, sig):
+    """`nanoserve serve` names each process it started; after SIGTERM (a clean shutdown) or
+    SIGKILL of the API server (no shutdown at all) none of them is left."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", server.path,
+                             "--port", str(port), "--device", "cpu", "--num-kv-blocks", "16",
+                             "--max-model-len", "256"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        roles = {}
+        for line in proc.stderr:
+            if m := re.match(r"nanoserve serve: (.+): pid (\d+)", line):
+                roles[m.group(1)] = int(m.group(2))
+            if "Uvicorn running" in line or "Application startup complete" in line:
+                break
+        assert roles.keys() == {"api server", "engine core"} and roles["api server"] == proc.pid
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        tree = _descendants(proc.pid)
+        assert roles["engine core"] in tree
+        proc.send_signal(sig)
+        assert proc.wait(30) in (0, -sig)   # uvicorn re-raises SIGTERM once it has shut down
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in tree):
+            assert time.monotonic() < deadline, [p for p in tree if _alive(p)]
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()

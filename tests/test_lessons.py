@@ -32,8 +32,9 @@ PARTS = ("## The idea", "## Read the code", "## Run it", "## Exercises")
 CITATION = re.compile(r"`(nanoserve/[\w/]+\.py):([\w.]+)`")
 EXERCISE = re.compile(r"^### Exercise (\d)\.(\d) \((predict, then check|build)\)", re.M)
 # The layer files each lesson is about: their module docstrings point back to it.
-LAYERS = {"api.py": [1], "engine.py": [1], "kv_cache.py": [2, 4, 5], "paged_attention.py": [2],
-          "scheduler.py": [3, 4], "config.py": [6, 7], "worker.py": [6], "sampler.py": [7]}
+LAYERS = {"api.py": [1], "engine.py": [1], "engine_core.py": [1], "kv_cache.py": [2, 4, 5],
+          "paged_attention.py": [2], "scheduler.py": [3, 4], "config.py": [6, 7], "worker.py": [6],
+          "model_loader.py": [6], "sampler.py": [7]}
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
 TOTAL_LIMIT_S = 300         # every command and image of all seven lessons together
 seconds_per_lesson: dict[str, float] = {}

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from fake_engine import (FakeRunner, make_request, make_scheduler,
                          reference_tokens, run)
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Request
+from nanoserve.request import Request, check_fits
 from nanoserve.trace import Tracer
 
 
@@ -214,7 +214,7 @@ def test_random_workloads_match_reference(seed, num_blocks, budget, seqs, cachin
         r = Request(rid, prompt, SamplingParams(max_tokens=m, ignore_eos=True),
                     priority=rng.randint(0, 3))
         try:
-            sched.check_fits(len(prompt), m)
+            check_fits(sched.config, len(prompt), m)
         except ValueError:
             continue
         reqs.append(r)

@@ -9,12 +9,13 @@
    list of `EngineCoreOutput`s, each with `request_id` and `new_token_ids`;
 3. return each prompt's output token ids, in the order of `prompts`.
 
-Read first: nanoserve/engine.py (EngineCore.step, LLM.generate), nanoserve/scheduler.py
-(Request, Scheduler.update). Check: `nanoserve exercise check 1.3`.
+Read first: nanoserve/engine_core.py (EngineCore.step), nanoserve/engine.py (LLM.generate),
+nanoserve/request.py (Request), nanoserve/scheduler.py (Scheduler.update). Check:
+`nanoserve exercise check 1.3`.
 """
 
 from nanoserve.sampling_params import SamplingParams  # noqa: F401  (you will need these)
-from nanoserve.scheduler import Request  # noqa: F401
+from nanoserve.request import Request  # noqa: F401
 
 
 def generate(core, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ next step feeds it back as input. That loop back is what makes generation autore
 """
 
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.scheduler import Request
+from nanoserve.request import Request
 
 
 def generate(core, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,0 +1,162 @@
+"""engine_core.py: the engine core (scheduler + KV cache manager + model runner) and its busy loop.
+
+`EngineCore.step()` is the whole loop of the design: schedule -> the worker runs the model
+and samples -> the scheduler appends tokens and checks stops. Every unfinished request
+simply stays in the scheduler for the next step. The core speaks token ids only.
+
+Who steps it: the offline `LLM` calls `step()` itself; the server runs `run_busy_loop`, the
+same function in either layout (core_client.py): in its own process (the default, as vLLM V1),
+or in a thread of the API server's process (`--no-engine-process`). The loop takes every
+request and abort that arrived, steps, and sends the step's outputs as ONE message. An error
+in one step fails only that step's requests; any other error ends the loop, and its last
+message says so (`dead`), so that the front end can fail every open stream instead of
+leaving them waiting.
+
+Lesson: lessons/01-the-map.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import traceback
+from typing import Callable, Sequence
+
+from nanoserve.config import Config
+from nanoserve.kv_cache import KVCacheManager
+from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request
+from nanoserve.scheduler import Scheduler
+from nanoserve.trace import Tracer
+from nanoserve.worker import ModelRunner
+
+
+class EngineCore:
+    """Scheduler + KV cache manager + model runner, stepped by whoever drives it."""
+
+    def __init__(self, config: Config):
+        self.tracer = Tracer.open(config.trace)
+        self.runner = ModelRunner(config)
+        self.config = config = self.runner.config        # resolved: fixed from here on
+        # What a front end needs to know of the model (it may live in another process).
+        self.vocab_size, self.model_path = self.runner.vocab_size, str(self.runner.model_path)
+        self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
+                                               config.enable_prefix_caching, self.tracer)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, self.tracer)
+        # Where the time goes (seconds, summed over steps); `nanoserve bench` prints them.
+        self.timings = self.runner.timings
+        self.timings.update(schedule=0.0, update=0.0)
+        self.num_batched_requests = 0       # summed over steps: / steps = mean batch size
+        if self.tracer.enabled:
+            self.tracer.emit("config", **dataclasses.asdict(config))
+            self.tracer.flush()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
+        return [EngineCoreOutput(r.request_id, [], "abort")
+                for r in self.scheduler.abort(request_ids)]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> dict[str, float]:
+        """The engine's side of /metrics (gauges, and counters ending in _total)."""
+        scheduler, kv = self.scheduler, self.kv_cache_manager
+        return {"num_requests_running": len(scheduler.running),
+                "num_requests_waiting": len(scheduler.waiting),
+                "kv_cache_usage_perc": kv.usage(),
+                "num_preemptions_total": scheduler.num_preemptions_total,
+                "prefix_cache_queries_total": kv.prefix_cache_queries,
+                "prefix_cache_hits_total": kv.prefix_cache_hits}
+
+    def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.requests:
+            return []
+        self.timings["schedule"] += time.perf_counter() - start
+        self.num_batched_requests += len(scheduler_output.requests)
+        try:
+            sampled, logprobs = self.runner.execute_model(scheduler_output)
+        except Exception as e:
+            # The step's requests cannot go on; everyone else can. Roll their progress back
+            # first, so that blocks this step should have filled leave the prefix cache.
+            for request, computed in zip(scheduler_output.requests,
+                                         scheduler_output.num_computed_tokens):
+                request.num_computed_tokens = computed
+            failed = [r.request_id for r in scheduler_output.requests]
+            self.scheduler.abort(failed)
+            raise EngineStepError(f"the engine step failed: {type(e).__name__}: {e}", failed) from e
+        update_start = time.perf_counter()
+        outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
+        self.timings["update"] += time.perf_counter() - update_start
+        if self.config.debug:
+            self._debug(scheduler_output, time.perf_counter() - start)
+        if self.tracer.enabled:
+            self.tracer.emit("step_done", duration_s=round(time.perf_counter() - start, 6),
+                             sampled=sampled)
+            self.tracer.flush()
+        return outputs
+
+    def _debug(self, out, duration: float) -> None:
+        pool = self.kv_cache_manager.pool
+        print(f"step {self.scheduler.num_steps}: {len(out.requests)} reqs, "
+              f"{out.total_num_scheduled_tokens} tokens, running {len(self.scheduler.running)} "
+              f"waiting {len(self.scheduler.waiting)}, kv {pool.num_blocks - pool.num_free_blocks}"
+              f"/{pool.num_blocks} used ({pool.num_cached_free_blocks} cached free), "
+              f"preempted {out.preempted_req_ids or '-'}, {duration * 1e3:.1f} ms", file=sys.stderr)
+        if self.config.debug >= 2:
+            self.kv_cache_manager.check_invariants()
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; `request_ids` were in it and have been aborted (the engine goes on).
+    (Its args are the message alone, so it pickles: it crosses to the API server's process.)"""
+
+    def __init__(self, message: str, request_ids: Sequence[str] = ()):
+        super().__init__(message)
+        self.request_ids = list(request_ids)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped (an error in its loop, or its process died): nothing will run."""
+
+
+# One input of the loop: ("add", [Request]), ("abort", [request id]) or ("shutdown", None).
+Inputs = list[tuple[str, object]]
+
+
+def run_busy_loop(core: EngineCore, get_inputs: Callable[[bool], Inputs],
+                  send: Callable[[EngineCoreOutputs], None]) -> None:
+    """Drain the inputs (`get_inputs(block)` waits only when the core is idle), step, send what
+    happened as one message. Returns on "shutdown"; any other exception sends `dead` and ends it."""
+    try:
+        while True:
+            message = EngineCoreOutputs()
+            inputs = get_inputs(not core.has_unfinished_requests())
+            for kind, payload in inputs:
+                if kind == "shutdown":
+                    return
+                if kind == "abort":
+                    message.outputs += core.abort(payload)
+                    continue
+                for request in payload:
+                    try:
+                        core.add_request(request)
+                    except ValueError as e:   # e.g. a duplicate id: only this request fails
+                        message.failed[request.request_id] = e
+            if core.has_unfinished_requests():
+                try:
+                    message.outputs += core.step()
+                except EngineStepError as e:
+                    message.failed.update(dict.fromkeys(e.request_ids, e))
+            if inputs or message.outputs or message.failed:
+                message.stats = core.get_stats()
+                send(message)
+    except Exception as e:
+        traceback.print_exc()
+        send(EngineCoreOutputs(dead=True, error=f"{type(e).__name__}: {e}"))
+    finally:
+        core.tracer.close()

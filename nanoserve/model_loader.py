@@ -1,0 +1,116 @@
+"""model_loader.py: finding and reading a checkpoint, and sizing the KV cache from its config.
+
+Loading follows HF's format: config.json, *.safetensors (one file, or shards with
+model.safetensors.index.json) and tokenizer files, from a directory, the built-in
+`nanoserve-tiny`, or a hub id when the hub is reachable. The sizing functions are the ones
+both the ModelRunner (worker.py) and the `nanoserve memory` calculator (memory.py) use, so
+the two never disagree about how many KV blocks fit.
+
+Lesson: lessons/06-length-and-memory.md
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from nanoserve.config import DEFAULT_MODEL
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_CACHE_GB = 1.0     # the CPU default: room for ~45k tokens of nanoserve-tiny, fits a laptop
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local checkpoint directory for `model`: the built-in one, a path, or a hub download."""
+    if model == DEFAULT_MODEL:
+        return Path(__file__).parent / "assets" / DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json")
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors",
+                                                             "tokenizer*", "*.model"]))
+    except Exception as e:  # offline, unknown id, gated repo...: all mean "cannot get it"
+        raise ValueError(f"model {model!r} is not a local directory and the Hugging Face hub "
+                         f"could not provide it ({type(e).__name__}: {e})") from None
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: the shards its index names, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return [path / name for name in sorted(shards)]
+    return sorted(path.glob("*.safetensors"))
+
+
+def iterate_weights(path: Path):
+    """(name, tensor) for every tensor of the checkpoint, shard by shard."""
+    from safetensors import safe_open
+    files = safetensors_files(path)
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32    # CPUs without bf16 units are slow in half precision
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(checkpoint, str):
+        checkpoint = DTYPES.get(checkpoint)
+    return checkpoint if checkpoint in DTYPES.values() else torch.bfloat16
+
+
+def kv_cache_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def num_blocks_for_memory(memory_bytes: float, hf_config, dtype: torch.dtype, block_size: int) -> int:
+    """How many KV blocks fit in `memory_bytes`: the engine and `nanoserve memory` both use it."""
+    return int(memory_bytes // (kv_cache_bytes_per_token(hf_config, dtype) * block_size))
+
+
+def kv_cache_memory_budget(total_bytes: float, gpu_memory_utilization: float,
+                           weight_bytes: float, activation_bytes: float) -> float:
+    """The KV pool's share of a GPU: total x gpu_memory_utilization - weights - peak activations.
+    May be <= 0 (the model does not fit); the engine and `nanoserve memory` both use it."""
+    return total_bytes * gpu_memory_utilization - weight_bytes - activation_bytes
+
+
+def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tokens: int,
+                              max_num_seqs: int, block_size: int) -> int:
+    """What `ModelRunner._profile_free_cuda_memory` would measure, estimated where no GPU can run
+    the profile (`nanoserve memory`). Its forward of n = max_num_batched_tokens tokens holds, at
+    its peak, the sum of:
+      - its own KV cache for n tokens (block-rounded);
+      - the widest point of one layer, the MLP: the residual and its normed copy [n, hidden],
+        gate_up [n, 2 x intermediate], silu(gate) and the product [n, intermediate] each;
+      - the logits of max_num_seqs rows, in the model dtype and again in float32.
+    The last two never coincide, so the sum errs on the safe (high) side. Attention adds only
+    its [n, q_size] output: the paged kernels never build an n x n score matrix."""
+    n, item = max_num_batched_tokens, dtype.itemsize
+    profile_kv = -(-n // block_size) * block_size * kv_cache_bytes_per_token(hf_config, dtype)
+    mlp = n * (2 * hf_config.hidden_size + 4 * hf_config.intermediate_size) * item
+    logits = min(n, max_num_seqs) * hf_config.vocab_size * (item + 4)
+    return profile_kv + mlp + logits
+
+
+def max_len_of(model) -> int:
+    """The longest sequence the engine serves: max_position_embeddings, capped by a sliding
+    window (paged attention attends to the whole sequence; past the window HF would not)."""
+    max_len = model.config.max_position_embeddings
+    return min(max_len, model.sliding_window) if getattr(model, "sliding_window", None) else max_len
