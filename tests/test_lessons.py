@@ -34,6 +34,12 @@ EXERCISE = re.compile(r"^### Exercise (\d)\.(\d) \((predict, then check|build)\)
 # The layer files each lesson is about: their module docstrings point back to it.
 LAYERS = {"api.py": [1], "engine.py": [1], "kv_cache.py": [2, 4, 5], "paged_attention.py": [2],
           "scheduler.py": [3, 4], "config.py": [6, 7], "worker.py": [6], "sampler.py": [7]}
+# Commands whose output does not depend on the machine or the clock: what the lesson shows must
+# be what they print today, so every figure in those outputs is checked.
+DETERMINISTIC = ("nanoserve memory", "nanoserve cost")
+# Figures quoted in a lesson's prose that one of its deterministic outputs must show.
+FIGURES = {"06": ["21.60 GiB", "14.96 GiB", "0.55 GiB", "6.09 GiB", "3,119", "49,904",
+                  "$810.00", "$1,936.80", "432,000", "239,111", "23.1%"]}
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
 TOTAL_LIMIT_S = 300         # every command and image of all seven lessons together
 seconds_per_lesson: dict[str, float] = {}
@@ -101,6 +107,8 @@ def test_every_command_runs(path, tmp_path):
                 assert code != 0 and "error:" in out.splitlines()[-1], (part.command, out)
             else:
                 assert code == 0, f"{part.command}\n{out}"
+            if part.command.startswith(DETERMINISTIC):
+                assert out == part.output, f"{part.command}: the lesson shows an old output"
         assert seconds < COMMAND_LIMIT_S, part.command
         total += seconds
     seconds_per_lesson[path.name] = total
@@ -178,3 +186,50 @@ def test_readmes_link_every_lesson():
     for path in LESSONS:
         assert f"(lessons/{path.name})" in readme, f"README.md does not link {path.name}"
         assert f"({path.name})" in index, f"lessons/README.md does not link {path.name}"
+
+
+@pytest.mark.parametrize("lesson", list(FIGURES))
+def test_figures_in_the_text_are_in_the_outputs(lesson):
+    """A figure quoted in the prose is one a deterministic command shows (test_every_command_runs
+    checks that those outputs are current), not a number typed in by hand."""
+    path = next(p for p in LESSONS if p.name.startswith(lesson))
+    text = path.read_text()
+    parts = assets.parse(text.splitlines())
+    shown = "\n".join(p.output for p in parts if p.kind == "command"
+                      and p.command.startswith(DETERMINISTIC))
+    prose = re.sub(r"\s+", " ", re.sub(r"```.*?```", "", text, flags=re.S))
+    for figure in FIGURES[lesson]:
+        assert figure in shown, f"{path.name}: no deterministic output shows {figure}"
+        assert figure in prose.replace("**", ""), f"{path.name} does not quote {figure}"
+
+
+def test_slot_arithmetic_examples_are_right():
+    """The worked slot example in kv_cache.py's docstring and in lesson 2: each of its steps."""
+    example = re.compile(r"block_table \[([\d, ]+)\], block_size (\d+), position (\d+)(.*?)slot "
+                         r"(\d+) \* (\d+) \+ (\d+) = (\d+)", re.S)
+    texts = {"kv_cache.py": (ROOT / "nanoserve" / "kv_cache.py").read_text(),
+             "02": next(p for p in LESSONS if p.name.startswith("02")).read_text()}
+    for name, text in texts.items():
+        m = example.search(text)
+        assert m, f"{name}: no worked slot example"
+        table, size, pos = [int(x) for x in m[1].split(",")], int(m[2]), int(m[3])
+        logical, offset = pos // size, pos % size
+        steps = re.sub(r"\s+", " ", m[4])
+        assert f"logical block {pos} // {size} = {logical}" in steps, (name, steps)
+        assert f"{pos} % {size} = {offset}" in steps, (name, steps)
+        physical = table[logical]
+        assert [int(m[i]) for i in (5, 6, 7, 8)] == [physical, size, offset,
+                                                     physical * size + offset], name
+
+
+def test_gqa_primer_figures_match_the_configs():
+    import json
+    text = next(p for p in LESSONS if p.name.startswith("02")).read_text()
+    for config, name in (("examples/llama-3-8b-config.json", "Llama-3-8B has"),
+                         ("nanoserve/assets/nanoserve-tiny/config.json", "built-in model has")):
+        cfg = json.loads((ROOT / config).read_text())
+        heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        assert re.search(rf"{name} {heads} query heads\s+(but only|over) {kv} KV heads",
+                         text), (config, heads, kv)
+        assert f"groups of {heads // kv}" in text or f"groups of {heads} / {kv} = {heads // kv}" \
+            in text, config
