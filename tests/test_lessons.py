@@ -233,3 +233,21 @@ def test_gqa_primer_figures_match_the_configs():
                          text), (config, heads, kv)
         assert f"groups of {heads // kv}" in text or f"groups of {heads} / {kv} = {heads // kv}" \
             in text, config
+
+
+MUTANTS = ROOT / "tests" / "lesson_mutants"
+
+
+@pytest.mark.parametrize("eid", list(checks.EXERCISES))
+def test_check_rejects_every_wrong_answer(eid):
+    """tests/lesson_mutants/ holds plausible wrong answers to each exercise (their docstrings
+    say what is wrong); the check must reject each one by a failed expectation, not because
+    the check itself crashed (test_exercise_passes_on_its_solution: it accepts the reference)."""
+    stem = checks.EXERCISES[eid].file[:-3]
+    mutants = sorted(MUTANTS.glob(f"{stem}__*.py"))
+    assert len(mutants) >= 2, f"exercise {eid}: fewer than two wrong answers in {MUTANTS}"
+    for mutant in mutants:
+        said = []
+        assert not checks.check(eid, say=said.append, path=mutant), f"{mutant.name} passed"
+        verdict = "\n".join(said)
+        assert "FAIL" in verdict and "raised" not in verdict, (mutant.name, verdict)
