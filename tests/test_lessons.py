@@ -236,15 +236,31 @@ def test_gqa_primer_figures_match_the_configs():
 
 
 MUTANTS = ROOT / "tests" / "lesson_mutants"
+EDITS = _load(MUTANTS / "edits.py").EDITS
+
+
+def mutants_of(eid: str, folder: Path) -> list[Path]:
+    """The wrong answers to exercise `eid`: whole files in tests/lesson_mutants/, and the one-edit
+    ones of edits.py applied to the reference solution (written to `folder`)."""
+    stem = checks.EXERCISES[eid].file[:-3]
+    paths = sorted(MUTANTS.glob(f"{stem}__*.py"))
+    reference = checks.path_of(eid, solution=True).read_text()
+    for name, (why, edits) in EDITS.get(stem, {}).items():
+        text = reference
+        for old, new in edits:
+            assert old in text, f"edits.py {stem}/{name}: {old!r} is not in the solution"
+            text = text.replace(old, new)
+        paths.append(folder / f"{stem}__{name}.py")
+        paths[-1].write_text(f'"""Wrong answer to exercise {eid}: {why}."""\n{text}')
+    return paths
 
 
 @pytest.mark.parametrize("eid", list(checks.EXERCISES))
-def test_check_rejects_every_wrong_answer(eid):
-    """tests/lesson_mutants/ holds plausible wrong answers to each exercise (their docstrings
-    say what is wrong); the check must reject each one by a failed expectation, not because
-    the check itself crashed (test_exercise_passes_on_its_solution: it accepts the reference)."""
-    stem = checks.EXERCISES[eid].file[:-3]
-    mutants = sorted(MUTANTS.glob(f"{stem}__*.py"))
+def test_check_rejects_every_wrong_answer(eid, tmp_path):
+    """Plausible wrong answers to each exercise (their docstrings say what is wrong): the check
+    must reject each one by a failed expectation, not because the check itself crashed
+    (test_exercise_passes_on_its_solution: it accepts the reference)."""
+    mutants = mutants_of(eid, tmp_path)
     assert len(mutants) >= 2, f"exercise {eid}: fewer than two wrong answers in {MUTANTS}"
     for mutant in mutants:
         said = []
