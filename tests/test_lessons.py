@@ -267,3 +267,36 @@ def test_check_rejects_every_wrong_answer(eid, tmp_path):
         assert not checks.check(eid, say=said.append, path=mutant), f"{mutant.name} passed"
         verdict = "\n".join(said)
         assert "FAIL" in verdict and "raised" not in verdict, (mutant.name, verdict)
+
+
+ANSWERS = assets.answer_files()
+
+
+def test_answer_key_covers_every_predict_item():
+    """lessons/answers/NN-*.md answers each predict item of lesson NN, with a command that shows
+    it, and the lesson links there (the lessons themselves do not print the answers)."""
+    assert [p.name for p in ANSWERS] == [p.name for p in LESSONS]
+    for lesson, answers in zip(LESSONS, ANSWERS):
+        assert f"(answers/{lesson.name})" in lesson.read_text(), f"{lesson.name} links no answers"
+        key = answers.read_text()
+        for n, k, kind in EXERCISE.findall(lesson.read_text()):
+            if kind == "build":
+                continue
+            assert f"### Exercise {n}.{k} (predict, then check)" in key, f"{answers.name}: {n}.{k}"
+            part = key.split(f"### Exercise {n}.{k} ")[1].split("\n### ")[0]
+            assert any(p.kind == "command" for p in assets.parse(part.splitlines())), f"{n}.{k}"
+
+
+@pytest.mark.parametrize("path", ANSWERS, ids=lambda p: p.name[:2])
+def test_answers_show_what_the_commands_print(path):
+    """Every figure in the answer key comes from a command; the output recorded under it must
+    be what it prints today (step counts, blocks, hits and memory figures are the same on
+    every machine). Model text (generate, --show) is only run: float rounding may differ
+    between CPUs."""
+    for part in assets.parse(path.read_text().splitlines()):
+        code, out, seconds = assets.run(part.command, COMMAND_LIMIT_S)
+        assert code == 0 and seconds < COMMAND_LIMIT_S, f"{part.command}\n{out}"
+        text_only = "--show" in part.command or (part.command.startswith("nanoserve generate")
+                                                  and "trace" not in part.command)
+        if not text_only:
+            assert out == part.output, f"{path.name}: `{part.command}` now prints\n{out}"
