@@ -300,3 +300,21 @@ def test_answers_show_what_the_commands_print(path):
                                                   and "trace" not in part.command)
         if not text_only:
             assert out == part.output, f"{path.name}: `{part.command}` now prints\n{out}"
+
+
+def test_workload_runs_the_learners_classes_and_compares_the_traces(tmp_path):
+    """`lessons/workload.py --block-pool FILE:NAME` runs the exercise's pool in the real engine
+    (its evictions keep the storm's resumed requests' prefixes: more hits than LRU), and
+    `nanoserve trace --compare` puts the two runs' summaries side by side."""
+    storm = ("python lessons/workload.py --num-prompts 8 --prompt-len 24 --max-tokens 40 "
+             "--block-size 8 --num-kv-blocks 16 --max-model-len 64")
+    pool = "lessons/solutions/lesson5_hit_count_eviction.py:HitCountBlockPool"
+    lru, hits = tmp_path / "lru.jsonl", tmp_path / "hits.jsonl"
+    code, out, _ = assets.run(f"{storm} --trace {lru} && {storm} --trace {hits} --block-pool {pool}"
+                              f" && nanoserve trace {hits} --compare {lru}", COMMAND_LIMIT_S * 2)
+    assert code == 0, out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in out.splitlines() if line.count("│") == 4}
+    assert rows["prefix cache hit rate"] == ["14.5% of prompt tokens", "10.9% of prompt tokens"]
+    code, out, _ = assets.run(f"{storm} --scheduler lessons/workload.py:NoSuchScheduler")
+    assert code != 0 and "--scheduler: lessons/workload.py defines no NoSuchScheduler" in out

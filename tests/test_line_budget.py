@@ -5,7 +5,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanoserve"
 MAX_LINES_PER_FILE = 400
-MAX_LINES_TOTAL = 5000
+# 5000 until `nanoserve trace --compare` (a learner's run beside the reference run) took 10 more.
+MAX_LINES_TOTAL = 5010
 
 
 def test_line_budget():
