@@ -39,7 +39,8 @@ LAYERS = {"api.py": [1], "engine.py": [1], "kv_cache.py": [2, 4, 5], "paged_atte
 DETERMINISTIC = ("nanoserve memory", "nanoserve cost")
 # Figures quoted in a lesson's prose that one of its deterministic outputs must show.
 FIGURES = {"06": ["21.60 GiB", "14.96 GiB", "0.55 GiB", "6.09 GiB", "3,119", "49,904",
-                  "$810.00", "$1,936.80", "432,000", "239,111", "23.1%"]}
+                  "131,072", "$0.15", "$0.60", "$2.69", "86,400", "$810.00", "$1,936.80",
+                  "432,000", "239,111", "23.1%"]}
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
 TOTAL_LIMIT_S = 300         # every command and image of all seven lessons together
 seconds_per_lesson: dict[str, float] = {}
