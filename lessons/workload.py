@@ -19,19 +19,33 @@ it) runs text prompts instead, and `--show` prints what each request generated.
 
 Every Config field is a flag, as for `nanoserve generate` (--block-size, --num-kv-blocks,
 --max-num-seqs, --max-num-batched-tokens, --no-enable-prefix-caching, --trace, ...).
+
+Your own code in the real engine: `--scheduler`, `--waiting-queue` and `--block-pool` take
+FILE.py:NAME (or MODULE:NAME) and put that class in place of nanoserve's before the first
+request (the exercises' classes fit as they are). Trace both runs and compare them:
+
+    python lessons/workload.py --num-prompts 8 --prompt-len 24 --max-tokens 40 --block-size 8 \
+        --num-kv-blocks 16 --max-model-len 64 --trace /tmp/lru.jsonl
+    python lessons/workload.py --num-prompts 8 --prompt-len 24 --max-tokens 40 --block-size 8 \
+        --num-kv-blocks 16 --max-model-len 64 --trace /tmp/hits.jsonl \
+        --block-pool lessons/solutions/lesson5_hit_count_eviction.py:HitCountBlockPool
+    nanoserve trace /tmp/hits.jsonl --compare /tmp/lru.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import random
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from check_kit import load  # noqa: E402  (lessons/, this file's folder, is on sys.path)
 from nanoserve import LLM, Config, SamplingParams  # noqa: E402
 
 
@@ -54,6 +68,39 @@ def make_prompts(args, vocab_size: int) -> list:
         own = random.Random(i).choices(range(1, vocab_size), k=args.prompt_len)
         prompts.append({"prompt_token_ids": own + shared if args.shared_last else shared + own})
     return prompts
+
+
+def load_name(spec: str, flag: str):
+    """'path/to/file.py:Name' or 'package.module:Name' -> that object."""
+    module, _, name = spec.rpartition(":")
+    if not module or not name.isidentifier():
+        raise ValueError(f"{flag} must be FILE.py:NAME or MODULE:NAME (got {spec!r})")
+    if module.endswith(".py"):
+        if not os.path.isfile(module):
+            raise ValueError(f"{flag}: no file {module}")
+        found = load(Path(module))
+    else:
+        sys.path.insert(0, os.getcwd())      # a module of yours, next to where you run this
+        found = importlib.import_module(module)
+    if not hasattr(found, name):
+        raise ValueError(f"{flag}: {module} defines no {name}")
+    return getattr(found, name)
+
+
+def install(llm: LLM, args) -> None:
+    """Put the learner's classes in place of the engine's own, before any request arrives:
+    a Scheduler subclass, a waiting queue, a BlockPool subclass (built as nanoserve builds
+    its own, so they see the same config and report to the same trace)."""
+    core = llm.engine
+    if args.scheduler:
+        cls = load_name(args.scheduler, "--scheduler")
+        core.scheduler = cls(core.config, core.kv_cache_manager, core.tracer)
+    if args.waiting_queue:
+        core.scheduler.waiting = load_name(args.waiting_queue, "--waiting-queue")()
+    if args.block_pool:
+        cls = load_name(args.block_pool, "--block-pool")
+        core.kv_cache_manager.pool = cls(core.config.num_kv_blocks,
+                                         core.config.enable_prefix_caching, tracer=core.tracer)
 
 
 class Probe:
@@ -168,12 +215,18 @@ def main() -> None:
     parser.add_argument("--request-seed", default=None, help="Each request's own seed (same "
                         "seed, same tokens); a list such as 1,2 is cycled.")
     parser.add_argument("--show", action="store_true", help="Print what each request generated.")
+    for flag, what in (("--scheduler", "a Scheduler subclass"),
+                       ("--waiting-queue", "a waiting queue (add, peek, pop, remove, len, iter)"),
+                       ("--block-pool", "a BlockPool subclass")):
+        parser.add_argument(flag, metavar="FILE.py:NAME", help=f"Run with {what} of yours "
+                            "instead of nanoserve's (or MODULE:NAME).")
     Config.add_cli_args(parser)
     args = parser.parse_args()
     if args.num_prompts < 1:
         parser.error(f"--num-prompts must be at least 1 (got {args.num_prompts})")
     try:
         llm = LLM(**vars(Config.from_cli_args(args)))
+        install(llm, args)
         prompts = make_prompts(args, llm.engine.runner.vocab_size)
         lengths = cycled(args.max_tokens, int, "max_tokens")
         temps = cycled(args.temperature, float, "temperature")

@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> None:
 def _trace(args: argparse.Namespace) -> None:
     from nanoserve.replay import main as replay
     replay(args.file, step=args.step, speed=args.speed, plot=args.plot, summary=args.summary,
-           chrome=args.chrome)
+           chrome=args.chrome, compare=args.compare)
 
 
 def _memory(args: argparse.Namespace) -> None:
@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     trc.add_argument("--summary", action="store_true", help="Print requests, steps, preemptions, "
                      "prefix hit rate, batch size and latency percentiles.")
     trc.add_argument("--chrome", metavar="FILE", help="Write Chrome/Perfetto trace-event JSON.")
+    trc.add_argument("--compare", metavar="FILE", help="Another trace (e.g. the same workload "
+                     "on the reference engine): both summaries side by side.")
     trc.set_defaults(func=_trace)
 
     mem = sub.add_parser("memory", help="Do the weights and the KV cache fit? Sizes the KV pool "

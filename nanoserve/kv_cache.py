@@ -4,8 +4,8 @@ The KV cache is cut into blocks of `block_size` token slots. A request holds a *
 table*: its logical block i lives in physical block `block_table[i]`, so the slot of the
 token at position p is `block_table[p // block_size] * block_size + p % block_size`:
 
-    block_table [7, 1, 3], block_size 4, position 9 -> block 1 (logical 2 -> physical 3),
-    offset 1 -> slot 3 * 4 + 1 = 13
+    block_table [7, 1, 3], block_size 4, position 9 -> logical block 9 // 4 = 2
+    -> physical block block_table[2] = 3, offset 9 % 4 = 1 -> slot 3 * 4 + 1 = 13
 
 Two classes, as in vLLM V1:
 

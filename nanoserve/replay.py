@@ -376,22 +376,23 @@ def play(trace: Trace, speed: float, console: Console) -> None:
 
 
 def main(path: str, step: Optional[int] = None, speed: float = 4.0, plot: Optional[str] = None,
-         summary: bool = False, chrome: Optional[str] = None,
+         summary: bool = False, chrome: Optional[str] = None, compare: Optional[str] = None,
          console: Optional[Console] = None) -> None:
-    """`nanoserve trace`: with no option, the animated replay; else each output asked for."""
+    """`nanoserve trace`: with no option, the animated replay; else each output asked for
+    (`compare`: a second trace whose summary goes beside this one's)."""
     if speed <= 0:
         raise ValueError(f"speed must be > 0 steps per second (got {speed})")
     trace, console = Trace.load(path), console or Console()
     if step is not None:
         console.print(render(trace, trace.frame(step), console.width))
     from nanoserve.replay_plots import chrome_trace, summary_table, write_plots   # (matplotlib)
-    if summary:
-        console.print(summary_table(trace))
+    if summary or compare:
+        console.print(summary_table(trace, *([Trace.load(compare)] if compare else [])))
     for written in write_plots(trace, plot) if plot else []:
         console.print(f"wrote {written}")
     if chrome:
         with open(chrome, "w", encoding="utf-8") as f:
             json.dump(chrome_trace(trace), f)
         console.print(f"wrote {chrome} (open it in ui.perfetto.dev)")
-    if step is None and not (summary or plot or chrome):
+    if step is None and not (summary or plot or chrome or compare):
         play(trace, speed, console)

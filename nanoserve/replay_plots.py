@@ -67,25 +67,28 @@ def percentiles(values: list[float], qs=(50, 90, 99)) -> Optional[dict[str, floa
     return out
 
 
-def summary_table(trace: Trace) -> Table:
-    s = summary(trace)
-    table = Table(title=trace.path, show_header=False, title_justify="left")
+def summary_table(*traces: Trace) -> Table:
+    """The summary of one trace; of several, side by side, a column each (`--compare`)."""
+    several = len(traces) > 1
+    table = Table(title=None if several else traces[0].path, show_header=several,
+                  title_justify="left")
+    for header in ["", *(t.path if several else "" for t in traces)]:
+        table.add_column(header)
 
     def ms(p: Optional[dict]) -> str:
         return " / ".join(f"{v * 1e3:.1f}" for v in p.values()) + " ms" if p else "-"
 
-    rate, reasons = s["prefix_hit_rate"], ", ".join(f"{k} {v}" for k, v in s["finished"].items())
-    for name, value in [
-        ("requests", f"{s['requests']} ({reasons})"),
-        ("steps", s["steps"]), ("preemptions", s["preemptions"]),
-        ("prefix cache hit rate", "off" if rate is None else f"{rate:.1%} of prompt tokens"),
-        ("mean batch size", f"{s['mean_batch_size']:.2f} requests, "
-                            f"{s['mean_tokens_per_step']:.1f} tokens per step"),
-        ("output tokens", s["output_tokens"]),
-        ("time to first token p50/p90/p99", ms(s["ttft_s"])),
-        ("inter-token latency p50/p90/p99", ms(s["itl_s"])),
-        ("end-to-end latency p50/p90/p99", ms(s["e2e_s"]))]:
-        table.add_row(name, str(value))
+    def column(s: dict) -> list[str]:
+        rate, reasons = s["prefix_hit_rate"], ", ".join(f"{k} {v}" for k, v in s["finished"].items())
+        return [f"{s['requests']} ({reasons})", str(s["steps"]), str(s["preemptions"]),
+                "off" if rate is None else f"{rate:.1%} of prompt tokens",
+                f"{s['mean_batch_size']:.2f} requests, {s['mean_tokens_per_step']:.1f} tokens per "
+                "step", str(s["output_tokens"]), ms(s["ttft_s"]), ms(s["itl_s"]), ms(s["e2e_s"])]
+    names = ["requests", "steps", "preemptions", "prefix cache hit rate", "mean batch size",
+             "output tokens", "time to first token p50/p90/p99", "inter-token latency p50/p90/p99",
+             "end-to-end latency p50/p90/p99"]
+    for name, *values in zip(names, *(column(summary(t)) for t in traces)):
+        table.add_row(name, *values)
     return table
 
 

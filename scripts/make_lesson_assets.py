@@ -1,7 +1,7 @@
 """make_lesson_assets.py: run every lesson command; write back its real output and its images.
 
-    python scripts/make_lesson_assets.py          # all seven lessons, a few minutes on a laptop CPU
-    python scripts/make_lesson_assets.py 3 4      # lessons 03 and 04 only
+    python scripts/make_lesson_assets.py          # all seven lessons and their answers, a few minutes
+    python scripts/make_lesson_assets.py 3 4      # lessons 03 and 04 (and their answers) only
 
 A lesson (lessons/NN-*.md) has two kinds of generated parts:
 
@@ -58,6 +58,11 @@ class Part:
 
 def lesson_files() -> list[Path]:
     return sorted(LESSONS.glob("[0-9][0-9]-*.md"))
+
+
+def answer_files() -> list[Path]:
+    """The answer key, lessons/answers/NN-*.md: command blocks like the lessons', no images."""
+    return sorted((LESSONS / "answers").glob("[0-9][0-9]-*.md"))
 
 
 def parse(lines: list[str]) -> list[Part]:
@@ -149,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lessons", nargs="*", type=int, help="Lesson numbers (default: all).")
     args = parser.parse_args()
-    for path in lesson_files():
+    for path in lesson_files() + answer_files():
         if not args.lessons or int(path.name[:2]) in args.lessons:
             print(path.relative_to(ROOT))
             make(path)

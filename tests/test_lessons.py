@@ -35,6 +35,13 @@ EXERCISE = re.compile(r"^### Exercise (\d)\.(\d) \((predict, then check|build)\)
 LAYERS = {"api.py": [1], "engine.py": [1], "engine_core.py": [1], "kv_cache.py": [2, 4, 5],
           "paged_attention.py": [2], "scheduler.py": [3, 4], "config.py": [6, 7], "worker.py": [6],
           "model_loader.py": [6], "sampler.py": [7]}
+# Commands whose output does not depend on the machine or the clock: what the lesson shows must
+# be what they print today, so every figure in those outputs is checked.
+DETERMINISTIC = ("nanoserve memory", "nanoserve cost")
+# Figures quoted in a lesson's prose that one of its deterministic outputs must show.
+FIGURES = {"06": ["21.60 GiB", "14.96 GiB", "0.55 GiB", "6.09 GiB", "3,119", "49,904",
+                  "131,072", "$0.15", "$0.60", "$2.69", "86,400", "$810.00", "$1,936.80",
+                  "432,000", "239,111", "23.1%"]}
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
 TOTAL_LIMIT_S = 300         # every command and image of all seven lessons together
 seconds_per_lesson: dict[str, float] = {}
@@ -102,6 +109,8 @@ def test_every_command_runs(path, tmp_path):
                 assert code != 0 and "error:" in out.splitlines()[-1], (part.command, out)
             else:
                 assert code == 0, f"{part.command}\n{out}"
+            if part.command.startswith(DETERMINISTIC):
+                assert out == part.output, f"{part.command}: the lesson shows an old output"
         assert seconds < COMMAND_LIMIT_S, part.command
         total += seconds
     seconds_per_lesson[path.name] = total
@@ -179,3 +188,135 @@ def test_readmes_link_every_lesson():
     for path in LESSONS:
         assert f"(lessons/{path.name})" in readme, f"README.md does not link {path.name}"
         assert f"({path.name})" in index, f"lessons/README.md does not link {path.name}"
+
+
+@pytest.mark.parametrize("lesson", list(FIGURES))
+def test_figures_in_the_text_are_in_the_outputs(lesson):
+    """A figure quoted in the prose is one a deterministic command shows (test_every_command_runs
+    checks that those outputs are current), not a number typed in by hand."""
+    path = next(p for p in LESSONS if p.name.startswith(lesson))
+    text = path.read_text()
+    parts = assets.parse(text.splitlines())
+    shown = "\n".join(p.output for p in parts if p.kind == "command"
+                      and p.command.startswith(DETERMINISTIC))
+    prose = re.sub(r"\s+", " ", re.sub(r"```.*?```", "", text, flags=re.S))
+    for figure in FIGURES[lesson]:
+        assert figure in shown, f"{path.name}: no deterministic output shows {figure}"
+        assert figure in prose.replace("**", ""), f"{path.name} does not quote {figure}"
+
+
+def test_slot_arithmetic_examples_are_right():
+    """The worked slot example in kv_cache.py's docstring and in lesson 2: each of its steps."""
+    example = re.compile(r"block_table \[([\d, ]+)\], block_size (\d+), position (\d+)(.*?)slot "
+                         r"(\d+) \* (\d+) \+ (\d+) = (\d+)", re.S)
+    texts = {"kv_cache.py": (ROOT / "nanoserve" / "kv_cache.py").read_text(),
+             "02": next(p for p in LESSONS if p.name.startswith("02")).read_text()}
+    for name, text in texts.items():
+        m = example.search(text)
+        assert m, f"{name}: no worked slot example"
+        table, size, pos = [int(x) for x in m[1].split(",")], int(m[2]), int(m[3])
+        logical, offset = pos // size, pos % size
+        steps = re.sub(r"\s+", " ", m[4])
+        assert f"logical block {pos} // {size} = {logical}" in steps, (name, steps)
+        assert f"{pos} % {size} = {offset}" in steps, (name, steps)
+        physical = table[logical]
+        assert [int(m[i]) for i in (5, 6, 7, 8)] == [physical, size, offset,
+                                                     physical * size + offset], name
+
+
+def test_gqa_primer_figures_match_the_configs():
+    import json
+    text = next(p for p in LESSONS if p.name.startswith("02")).read_text()
+    for config, name in (("examples/llama-3-8b-config.json", "Llama-3-8B has"),
+                         ("nanoserve/assets/nanoserve-tiny/config.json", "built-in model has")):
+        cfg = json.loads((ROOT / config).read_text())
+        heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        assert re.search(rf"{name} {heads} query heads\s+(but only|over) {kv} KV heads",
+                         text), (config, heads, kv)
+        assert f"groups of {heads // kv}" in text or f"groups of {heads} / {kv} = {heads // kv}" \
+            in text, config
+
+
+MUTANTS = ROOT / "tests" / "lesson_mutants"
+EDITS = _load(MUTANTS / "edits.py").EDITS
+
+
+def mutants_of(eid: str, folder: Path) -> list[Path]:
+    """The wrong answers to exercise `eid`: whole files in tests/lesson_mutants/, and the one-edit
+    ones of edits.py applied to the reference solution (written to `folder`)."""
+    stem = checks.EXERCISES[eid].file[:-3]
+    paths = sorted(MUTANTS.glob(f"{stem}__*.py"))
+    reference = checks.path_of(eid, solution=True).read_text()
+    for name, (why, edits) in EDITS.get(stem, {}).items():
+        text = reference
+        for old, new in edits:
+            assert old in text, f"edits.py {stem}/{name}: {old!r} is not in the solution"
+            text = text.replace(old, new)
+        paths.append(folder / f"{stem}__{name}.py")
+        paths[-1].write_text(f'"""Wrong answer to exercise {eid}: {why}."""\n{text}')
+    return paths
+
+
+@pytest.mark.parametrize("eid", list(checks.EXERCISES))
+def test_check_rejects_every_wrong_answer(eid, tmp_path):
+    """Plausible wrong answers to each exercise (their docstrings say what is wrong): the check
+    must reject each one by a failed expectation, not because the check itself crashed
+    (test_exercise_passes_on_its_solution: it accepts the reference)."""
+    mutants = mutants_of(eid, tmp_path)
+    assert len(mutants) >= 2, f"exercise {eid}: fewer than two wrong answers in {MUTANTS}"
+    for mutant in mutants:
+        said = []
+        assert not checks.check(eid, say=said.append, path=mutant), f"{mutant.name} passed"
+        verdict = "\n".join(said)
+        assert "FAIL" in verdict and "raised" not in verdict, (mutant.name, verdict)
+
+
+ANSWERS = assets.answer_files()
+
+
+def test_answer_key_covers_every_predict_item():
+    """lessons/answers/NN-*.md answers each predict item of lesson NN, with a command that shows
+    it, and the lesson links there (the lessons themselves do not print the answers)."""
+    assert [p.name for p in ANSWERS] == [p.name for p in LESSONS]
+    for lesson, answers in zip(LESSONS, ANSWERS):
+        assert f"(answers/{lesson.name})" in lesson.read_text(), f"{lesson.name} links no answers"
+        key = answers.read_text()
+        for n, k, kind in EXERCISE.findall(lesson.read_text()):
+            if kind == "build":
+                continue
+            assert f"### Exercise {n}.{k} (predict, then check)" in key, f"{answers.name}: {n}.{k}"
+            part = key.split(f"### Exercise {n}.{k} ")[1].split("\n### ")[0]
+            assert any(p.kind == "command" for p in assets.parse(part.splitlines())), f"{n}.{k}"
+
+
+@pytest.mark.parametrize("path", ANSWERS, ids=lambda p: p.name[:2])
+def test_answers_show_what_the_commands_print(path):
+    """Every figure in the answer key comes from a command; the output recorded under it must
+    be what it prints today (step counts, blocks, hits and memory figures are the same on
+    every machine). Model text (generate, --show) is only run: float rounding may differ
+    between CPUs."""
+    for part in assets.parse(path.read_text().splitlines()):
+        code, out, seconds = assets.run(part.command, COMMAND_LIMIT_S)
+        assert code == 0 and seconds < COMMAND_LIMIT_S, f"{part.command}\n{out}"
+        text_only = "--show" in part.command or (part.command.startswith("nanoserve generate")
+                                                  and "trace" not in part.command)
+        if not text_only:
+            assert out == part.output, f"{path.name}: `{part.command}` now prints\n{out}"
+
+
+def test_workload_runs_the_learners_classes_and_compares_the_traces(tmp_path):
+    """`lessons/workload.py --block-pool FILE:NAME` runs the exercise's pool in the real engine
+    (its evictions keep the storm's resumed requests' prefixes: more hits than LRU), and
+    `nanoserve trace --compare` puts the two runs' summaries side by side."""
+    storm = ("python lessons/workload.py --num-prompts 8 --prompt-len 24 --max-tokens 40 "
+             "--block-size 8 --num-kv-blocks 16 --max-model-len 64")
+    pool = "lessons/solutions/lesson5_hit_count_eviction.py:HitCountBlockPool"
+    lru, hits = tmp_path / "lru.jsonl", tmp_path / "hits.jsonl"
+    code, out, _ = assets.run(f"{storm} --trace {lru} && {storm} --trace {hits} --block-pool {pool}"
+                              f" && nanoserve trace {hits} --compare {lru}", COMMAND_LIMIT_S * 2)
+    assert code == 0, out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in out.splitlines() if line.count("│") == 4}
+    assert rows["prefix cache hit rate"] == ["14.5% of prompt tokens", "10.9% of prompt tokens"]
+    code, out, _ = assets.run(f"{storm} --scheduler lessons/workload.py:NoSuchScheduler")
+    assert code != 0 and "--scheduler: lessons/workload.py defines no NoSuchScheduler" in out

@@ -218,3 +218,14 @@ def test_cli_step_summary_and_animation(hand_trace, tmp_path, capsys):
     console = Console(width=100, file=io.StringIO(), color_system=None)
     main(hand_trace, speed=1000.0, console=console)
     assert "step      4 of 4" in console.file.getvalue()
+
+
+def test_compare_puts_two_summaries_side_by_side(hand_trace, tmp_path, capsys):
+    traced_run(tmp_path / "t.jsonl")
+    other = summary(Trace.load(str(tmp_path / "t.jsonl")))
+    cli.main(["trace", hand_trace, "--compare", str(tmp_path / "t.jsonl")])
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:4]]
+            for line in capsys.readouterr().out.splitlines() if line.count("│") == 4}
+    assert rows["steps"] == ["4", str(other["steps"])]
+    assert rows["preemptions"] == ["0", str(other["preemptions"])]
+    assert rows["prefix cache hit rate"][0] == "26.7% of prompt tokens"

@@ -1,17 +1,18 @@
 """Exercise 1.3: the engine loop, by hand (lesson 01-the-map.md).
 
-`LLM.generate` hides a loop. Write it yourself against the engine core:
+Goal: `generate(core, prompts, max_tokens)` returns what `LLM.generate` would for the same
+token-id prompts (greedy, exactly `max_tokens` tokens each, EOS ignored), driving the engine
+core yourself: one list of output token ids per prompt, in the order of `prompts`. When it
+returns, the engine must be idle, every block free. The check runs it with two seats for
+three prompts in a pool so small that requests get preempted.
 
-1. make one `Request(request_id, prompt_token_ids, params)` per prompt, with
-   `SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)`, and hand each
-   to `core.add_request(...)`;
-2. call `core.step()` until `core.has_unfinished_requests()` is False; every step returns a
-   list of `EngineCoreOutput`s, each with `request_id` and `new_token_ids`;
-3. return each prompt's output token ids, in the order of `prompts`.
+The engine core's interface (nanoserve/engine_core.py, EngineCore):
+    core.add_request(Request(request_id, prompt_token_ids, sampling_params))
+    core.step() -> list of EngineCoreOutput     (.request_id, .new_token_ids, .finish_reason)
+    core.has_unfinished_requests() -> bool
 
-Read first: nanoserve/engine_core.py (EngineCore.step), nanoserve/engine.py (LLM.generate),
-nanoserve/request.py (Request), nanoserve/scheduler.py (Scheduler.update). Check:
-`nanoserve exercise check 1.3`.
+Read first: nanoserve/engine_core.py (EngineCore.step), nanoserve/request.py (Request).
+Check: `nanoserve exercise check 1.3`.
 """
 
 from nanoserve.sampling_params import SamplingParams  # noqa: F401  (you will need these)
@@ -22,5 +23,5 @@ def generate(core, prompts: list[list[int]], max_tokens: int) -> list[list[int]]
     """Greedy outputs of `prompts` (token ids), run on the EngineCore `core`."""
     raise NotImplementedError(
         "implement generate(core, prompts, max_tokens) in "
-        "lessons/exercises/lesson1_engine_loop.py: add one Request per prompt, call "
-        "core.step() until no request is left, collect each request's new_token_ids")
+        "lessons/exercises/lesson1_engine_loop.py: each prompt's greedy output, as "
+        "LLM.generate gives it, computed by driving the engine core yourself")

@@ -1,9 +1,10 @@
 """Exercise 3.3: a shortest-job-first waiting queue (lesson 03-continuous-batching.md).
 
 The scheduler admits waiting requests through its waiting queue (nanoserve/scheduler.py,
-WaitingQueue). Write a queue that admits the *shortest job* first: the waiting request with
-the fewest tokens to go, `request.num_prompt_tokens + request.max_tokens` (max_tokens is set
-when the request is added); among equals, the earliest `request.arrival_time`.
+WaitingQueue). Goal: a queue that always offers the *shortest job* waiting: the request
+with the fewest tokens in all, `request.num_prompt_tokens + request.max_tokens` (max_tokens
+is set when the request is added); among equal sizes, the earliest `request.arrival_time`.
+That holds for every request, a preempted one coming back included.
 
 The scheduler calls:
     add(request, front=False)   a new arrival; a preempted request comes back with front=True
@@ -26,12 +27,11 @@ class ShortestJobFirstQueue:
     def peek(self):
         raise NotImplementedError(
             "implement ShortestJobFirstQueue.peek() and pop() in "
-            "lessons/exercises/lesson3_shortest_job_first.py: return the waiting request with "
-            "the smallest num_prompt_tokens + max_tokens (ties: earliest arrival_time)")
+            "lessons/exercises/lesson3_shortest_job_first.py: the shortest job waiting")
 
     def pop(self):
         raise NotImplementedError("implement ShortestJobFirstQueue.pop(): remove and return "
-                                  "what peek() returns")
+                                  "the shortest job waiting")
 
     def remove(self, request) -> None:
         self._requests.remove(request)

@@ -1,13 +1,16 @@
 """Exercise 3.4: static batching, to compare with continuous batching (lesson 03).
 
 Before continuous batching, servers ran *static* batches: admit up to max_num_seqs requests,
-run them until every one has finished, then admit the next batch. Write that policy as a
-subclass of nanoserve's Scheduler: while any request of the current batch is running, admit
-nobody new (running requests still get their tokens, preemption still works); when none is
-running, schedule as usual, which admits the next batch.
+run them until every one has finished, then admit the next batch. Goal: that policy, as a
+subclass of nanoserve's Scheduler. While a batch runs, nobody new is admitted; its members
+still get their tokens, and preemption still works: a member preempted during its batch
+goes back to the front of the waiting queue, as in the real scheduler, and is admitted
+before any request that never ran.
 
-Hint: Scheduler.schedule admits from `self.waiting` in its step 2. The check compares the
-number of steps with the real (continuous) scheduler on the same requests.
+Interface: the same as Scheduler's (nanoserve/scheduler.py): `schedule()` returns the step's
+SchedulerOutput; `self.running`, `self.waiting` (a WaitingQueue) and `self.config` are there
+to use. The check runs it beside the real (continuous) scheduler on the same requests, with
+a pool big enough for a whole batch and with one that is not.
 Check: `nanoserve exercise check 3.4`.
 """
 
@@ -18,5 +21,4 @@ class StaticBatchScheduler(Scheduler):
     def schedule(self):
         raise NotImplementedError(
             "implement StaticBatchScheduler.schedule() in lessons/exercises/"
-            "lesson3_static_batching.py: while self.running is not empty, schedule without "
-            "admitting anyone from self.waiting; otherwise call super().schedule()")
+            "lesson3_static_batching.py: one batch at a time, nobody admitted while it runs")

@@ -3,8 +3,9 @@
 When a running request needs a block and the pool is empty, nanoserve's scheduler asks
 `self._pick_victim()` whom to preempt, and today that is the last-admitted running request
 (`self.running[-1]`). Recompute preemption throws the victim's KV away, so the work lost is
-its `num_computed_tokens`. Override `_pick_victim` to return the running request with the
-fewest computed tokens; among equals, the one admitted last (latest in `self.running`).
+its `num_computed_tokens`. Goal: `_pick_victim` returns the running request whose
+preemption loses the least work; among equals, the one admitted last (latest in
+`self.running`). It only chooses: the scheduler removes and preempts the request it returns.
 
 The check runs a workload that preempts, asserts every victim had the fewest computed
 tokens, and prints how many tokens each policy computed in all.
@@ -18,5 +19,4 @@ class CheapestVictimScheduler(Scheduler):
     def _pick_victim(self):
         raise NotImplementedError(
             "implement CheapestVictimScheduler._pick_victim() in lessons/exercises/"
-            "lesson4_cheapest_victim.py: return the request in self.running with the fewest "
-            "num_computed_tokens (ties: the latest in self.running)")
+            "lesson4_cheapest_victim.py: the running request cheapest to recompute")

@@ -1,16 +1,21 @@
 """Exercise 5.3: evict the cached block with the fewest prefix hits (lesson 05-prefix-caching.md).
 
-nanoserve's BlockPool evicts in LRU order: `get_new_blocks(n)` takes the n least recently
-freed blocks, and a cached one loses its hash. A system prompt shared by many requests is
-forgotten as soon as enough one-off prompts pass through. Write a pool that counts hits:
+nanoserve's BlockPool evicts in LRU order: a system prompt shared by many requests is
+forgotten as soon as enough one-off prompts pass through. Goal: a pool that, when it must
+hand out blocks, loses as little of the prefix cache as it can:
 
-- `touch(blocks)` is a prefix hit: count one hit per block, then do what BlockPool does;
-- `get_new_blocks(n)`: take free blocks with no hash first (nothing is lost), least recently
-  freed first; then cached blocks with the fewest hits, least recently freed first among
-  equals. Taking a cached block evicts it: `self.uncache(block)`, and its count starts again
-  at 0. Every block handed out gets `ref_cnt = 1` and leaves `self.free_queue`.
+- a free block that holds no cached prefix (no hash) is always taken before a cached one;
+- among cached blocks, the one with the fewest prefix hits since its content was cached goes
+  first; among equal counts, the least recently freed.
 
-The check installs it with `kv_cache_manager.pool = HitCountBlockPool(num_blocks, True)`.
+Interface (nanoserve/kv_cache.py, BlockPool), the two methods to override:
+    touch(blocks)       the scheduler found `blocks` in the prefix cache: a hit for each
+    get_new_blocks(n)   n blocks for new content: each with ref_cnt 1, out of
+                        `self.free_queue` (an OrderedDict, least recently freed first), and
+                        out of the prefix cache if it was in it (`self.uncache(block)`)
+
+The check installs it with `kv_cache_manager.pool = HitCountBlockPool(num_blocks, True)` and
+checks every choice your pool makes against its own count of hits.
 Check: `nanoserve exercise check 5.3`.
 """
 
@@ -20,15 +25,13 @@ from nanoserve.kv_cache import BlockPool
 class HitCountBlockPool(BlockPool):
     def __init__(self, num_blocks: int, enable_caching: bool = True, **kwargs):
         super().__init__(num_blocks, enable_caching, **kwargs)
-        self.hits = [0] * num_blocks
 
     def touch(self, blocks) -> None:
         raise NotImplementedError(
             "implement HitCountBlockPool.touch() in "
-            "lessons/exercises/lesson5_hit_count_eviction.py: count a hit for each block, "
-            "then super().touch(blocks)")
+            "lessons/exercises/lesson5_hit_count_eviction.py: a prefix hit on each block")
 
     def get_new_blocks(self, n: int):
         raise NotImplementedError(
-            "implement HitCountBlockPool.get_new_blocks(n): unhashed free blocks first, then "
-            "the cached ones with the fewest hits (LRU among equals)")
+            "implement HitCountBlockPool.get_new_blocks(n): n blocks for new content, losing "
+            "the least-hit cached prefixes")

@@ -1,12 +1,14 @@
 """Exercise 7.3: top-k without sorting the whole vocabulary (lesson 07-sampling-and-config.md).
 
-`logits` is [num_rows, vocab]; `top_k` is [num_rows] int64, one k per row (a request's own
-top_k; k >= vocab means off). Return logits where, in each row, every logit smaller than
-that row's k-th largest is -inf (logits tied with the k-th largest stay). Rows that are off
-keep everything.
+Goal: `top_k_mask(logits, top_k)` keeps, in each row, the k largest logits and every logit
+tied with the k-th largest, and sets the rest to -inf; k is the row's own. Rows whose k is
+off (k >= vocab) keep everything. Do it without sorting a row: sorting costs
+O(vocab log vocab) per row where the answer needs much less.
 
-Do it without sorting a row: the check forbids torch.sort / argsort, and a torch.topk over
-the whole vocabulary. One row needs only its k-th largest value.
+Interface: `logits` is [num_rows, vocab] float; `top_k` is [num_rows] int64; return a tensor
+shaped like `logits`. The check compares it with nanoserve's sampler on rows full of ties and
+rejects any sort (torch.sort, argsort, Python's sorted, or one hidden in another op) and a
+topk over the whole vocabulary.
 Check: `nanoserve exercise check 7.3`.
 """
 
@@ -15,6 +17,5 @@ import torch  # noqa: F401
 
 def top_k_mask(logits, top_k):
     raise NotImplementedError(
-        "implement top_k_mask in lessons/exercises/lesson7_top_k.py: find each row's k-th "
-        "largest logit without a full sort (torch.topk with the largest k needed), then set "
-        "everything below it to -inf")
+        "implement top_k_mask in lessons/exercises/lesson7_top_k.py: mask each row below its "
+        "k-th largest logit, without sorting the row")
