@@ -33,78 +33,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanoserve.engine import AsyncLLM
+from nanoserve.engine import AsyncLLM, EngineOverloadedError, RequestTimeoutError
 from nanoserve.engine_core import EngineDeadError, EngineStepError
 from nanoserve.output_processor import CompletionOutput
-from nanoserve.sampling_params import SamplingParams, is_int, is_num
+from nanoserve.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, is_type, param_of,
+                                parse_body, sampling_params_of)
+from nanoserve.sampling_params import SamplingParams
 
 MAX_BODY_BYTES = 8 * 1024 * 1024     # 413 above this: ~1M token ids of JSON, far past any prompt
 
 
-class APIError(Exception):
-    """An error the client gets as OpenAI's JSON: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code=None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def response(self) -> JSONResponse:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return JSONResponse({"error": {"message": str(self), "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
-
-
-# -- request schemas: field -> JSON type ("array of t", "a | b") ---------------------------
-_SAMPLING = {"n": "integer", "temperature": "number", "top_p": "number", "top_k": "integer",
-             "min_p": "number", "seed": "integer", "max_tokens": "integer",
-             "min_tokens": "integer", "stop": "string | array of string",
-             "stop_token_ids": "array of integer", "ignore_eos": "boolean",
-             "presence_penalty": "number", "frequency_penalty": "number",
-             "repetition_penalty": "number"}
-_COMMON = {"model": "string", "stream": "boolean", "stream_options": "object", "user": "string",
-           **_SAMPLING}
-COMPLETION_FIELDS = {**_COMMON, "echo": "boolean", "logprobs": "integer", "prompt": "string | "
-                     "array of string | array of integer | array of array of integer"}
-CHAT_FIELDS = {**_COMMON, "messages": "array of object", "logprobs": "boolean",
-               "top_logprobs": "integer", "max_completion_tokens": "integer"}
-_IS = {"integer": is_int, "number": is_num, "boolean": lambda v: isinstance(v, bool),
-       "string": lambda v: isinstance(v, str), "object": lambda v: isinstance(v, dict)}
-
-
-def _is(value, kind: str) -> bool:
-    if " | " in kind:
-        return any(_is(value, k) for k in kind.split(" | "))
-    if kind.startswith("array of "):
-        return isinstance(value, list) and all(_is(v, kind[len("array of "):]) for v in value)
-    return _IS[kind](value)
-
-
-def _parse(body, schema: dict, required: tuple[str, ...]) -> dict:
-    """The body's fields, type-checked; an explicit null counts as absent."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    for name, value in body.items():
-        if name not in schema:
-            raise APIError(400, f"unsupported field {name!r}", name)
-        if value is not None and not _is(value, schema[name]):
-            raise APIError(400, f"{name} must be: {schema[name]} (got {value!r:.80})", name)
-    for name in required:
-        if not body.get(name):
-            raise APIError(400, f"{name} is required and must not be empty", name)
-    return {name: value for name, value in body.items() if value is not None}
-
-
-def _param_of(error: Exception) -> Optional[str]:
-    """The field a ValueError names ("top_p must be in (0, 1] ..." -> "top_p"), if any."""
-    word = str(error).split(" ", 1)[0]
-    return word if word in COMPLETION_FIELDS or word in CHAT_FIELDS else None
-
-
-def _sampling_params(body: dict, **overrides) -> SamplingParams:
-    try:
-        return SamplingParams(**{**{k: body[k] for k in _SAMPLING if k in body}, **overrides})
-    except ValueError as e:
-        raise APIError(400, str(e), _param_of(e)) from None
+def _api_error(e: Exception) -> APIError:
+    """400: refused up front; 408: over request_timeout_s; 500: a failed step (the engine goes
+    on); 503: too many waiting (retry soon) or the engine stopped."""
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
+    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500}.get(type(e), 503)
+    return APIError(status, str(e), param_of(e))
 
 
 # -- one HTTP request's generation ---------------------------------------------------------
@@ -146,10 +91,10 @@ class Generation:
                 if out.finished:
                     self.server.e2e.observe(now - self.start_time)
                 self._queue.put_nowait((i, out))
-        except (ValueError, EngineStepError, EngineDeadError) as e:   # 400: refused up front;
-            self.status = "error"       # 500: a failed step (the engine goes on); 503: it stopped
-            status = {ValueError: 400, EngineStepError: 500}.get(type(e), 503)
-            self._queue.put_nowait((i, APIError(status, str(e), _param_of(e))))
+        except (ValueError, EngineStepError, EngineDeadError, EngineOverloadedError,
+                RequestTimeoutError) as e:
+            self.status = "error"
+            self._queue.put_nowait((i, _api_error(e)))
 
     async def _next(self):
         i, item = await self._queue.get()
@@ -279,7 +224,7 @@ class OpenAIServer(Starlette):
             if len(raw) > MAX_BODY_BYTES:
                 raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
         try:
-            body = _parse(json.loads(raw), schema, required)
+            body = parse_body(json.loads(raw), schema, required)
         except ValueError as e:           # not JSON, or not UTF-8
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
         if body["model"] != self.model_name:
@@ -301,9 +246,12 @@ class OpenAIServer(Starlette):
         body = await self._read(request, COMPLETION_FIELDS, ("model", "prompt"))
         if body.get("echo") and "logprobs" in body:   # it would need the prompt's logprobs
             raise APIError(400, "echo with logprobs is not supported", "echo")
-        params = _sampling_params(body, logprobs=body.get("logprobs"))
+        params = sampling_params_of(body, logprobs=body.get("logprobs"))
         prompt = body["prompt"]           # one prompt, or a batch of them
-        prompts = [prompt] if isinstance(prompt, str) or _is(prompt, "array of integer") else prompt
+        prompts = [prompt] if isinstance(prompt, str) or is_type(prompt, "array of integer") else prompt
+        if len(prompts) > self.engine.config.max_waiting_requests:
+            raise APIError(400, f"{len(prompts)} prompts in one request, over max_waiting_requests "
+                           f"({self.engine.config.max_waiting_requests})", "prompt")
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
         for p in ids:
             self._check_length(p, params.max_tokens, "prompt")
@@ -324,7 +272,7 @@ class OpenAIServer(Starlette):
         body = await self._read(request, CHAT_FIELDS, ("model", "messages"))
         if "top_logprobs" in body and not body.get("logprobs"):
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        params = _sampling_params(
+        params = sampling_params_of(
             body, max_tokens=body.get("max_completion_tokens", body.get("max_tokens")),
             logprobs=body.get("top_logprobs", 0) if body.get("logprobs") else None)
         if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

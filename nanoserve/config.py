@@ -64,6 +64,11 @@ class Config:
                                 ("fcfs", "priority"))
     # -- sampling and observability -----------------------------------------
     max_logprobs: int = _f(20, "Largest `logprobs` a request may ask for.")
+    # -- admission (the server) ------------------------------------------------
+    max_waiting_requests: int = _f(512, "Requests the server holds that have not produced a "
+                                   "token yet; beyond it new ones get HTTP 503 with Retry-After.")
+    request_timeout_s: Optional[float] = _f(None, "Abort a request still unfinished after this "
+                                            "many seconds; its client is told why.")
     trace: Optional[str] = _f(None, "Write a JSONL trace of every step to this path.")
     debug: int = _f(0, "Show more: 1 prints one line per step to stderr; 2 also asserts the KV "
                     "cache invariants after every step.")
@@ -76,6 +81,9 @@ class Config:
         _positive_int(self, "block_size")
         _positive_int(self, "max_num_seqs")
         _positive_int(self, "max_num_batched_tokens")
+        _positive_int(self, "max_waiting_requests")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 (got {self.request_timeout_s})")
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)

@@ -35,6 +35,14 @@ from nanoserve.sampling_params import SamplingParams
 PromptType = Union[str, dict]
 
 
+class EngineOverloadedError(RuntimeError):
+    """max_waiting_requests requests are waiting already: the server answers 503 + Retry-After."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past request_timeout_s and was aborted."""
+
+
 class Processor:
     """Prompt + SamplingParams -> engine Requests (tokenize, validate, fan out n > 1)."""
 
@@ -221,6 +229,8 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue] = {}    # request id -> its outputs
         self._output_task: Optional[asyncio.Task] = None
         self.num_prompt_tokens_total = 0
+        self._not_started: set[str] = set()   # admitted, no output yet: what admission bounds
+        self.num_requests_rejected_total = self.num_requests_timed_out_total = 0
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -230,6 +240,11 @@ class AsyncLLM:
             raise self.dead_error
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if len(self._not_started) >= self.config.max_waiting_requests:
+            self.num_requests_rejected_total += 1
+            raise EngineOverloadedError(
+                f"{len(self._not_started)} requests are already waiting (max_waiting_requests "
+                f"{self.config.max_waiting_requests}); retry later")
         text, ids = self.processor.prompt_token_ids(prompt)
         children = self.processor.make_requests(request_id, ids, sampling_params, priority)
         if self._output_task is None:
@@ -238,15 +253,23 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, children)
         self.num_prompt_tokens_total += len(ids) * len(children)
         self.engine_core.send("add", children)
+        self._not_started.add(request_id)
+        timeout = self.config.request_timeout_s     # one timer per request, not one per token
+        timer = timeout and asyncio.get_running_loop().call_later(
+            timeout, self._time_out, request_id, stream, timeout)
         finished = False
         try:
             while not finished:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
+                self._not_started.discard(request_id)
                 finished = item.finished
                 yield RequestOutput(request_id, text, ids, item.outputs, finished)
         finally:
+            if timer:
+                timer.cancel()
+            self._not_started.discard(request_id)
             children_ids = self.output_processor.remove(request_id)
             self._streams.pop(request_id, None)
             if not finished:       # the consumer went away (client disconnected): free it all
@@ -257,9 +280,17 @@ class AsyncLLM:
         if request_id in self.output_processor.children:
             self.engine_core.send("abort", self.output_processor.children[request_id])
 
+    def _time_out(self, request_id: str, stream: asyncio.Queue, timeout: float) -> None:
+        self.num_requests_timed_out_total += 1
+        stream.put_nowait(RequestTimeoutError(
+            f"request {request_id} did not finish within request_timeout_s ({timeout:g} s); "
+            "it was aborted"))
+
     def get_stats(self) -> dict:
         return {**self.stats, "prompt_tokens_total": self.num_prompt_tokens_total,
-                "generation_tokens_total": self.output_processor.num_generation_tokens_total}
+                "generation_tokens_total": self.output_processor.num_generation_tokens_total,
+                "requests_rejected_total": self.num_requests_rejected_total,
+                "requests_timed_out_total": self.num_requests_timed_out_total}
 
     async def shutdown(self) -> None:
         if self._output_task is not None:

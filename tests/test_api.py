@@ -408,3 +408,35 @@ def test_serve_logs_its_processes_and_none_outlives_it(server, sig):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_admission_control_timeouts_and_bounds():
+    """max_waiting_requests: the next request gets 503 + Retry-After (counted in /metrics);
+    request_timeout_s: a request still unfinished is aborted and its client told (408); n and the
+    number of prompts are bounded with 400s. The engine never sees the held requests here (their
+    "add" is dropped), so they wait for as long as the test needs."""
+    engine = AsyncLLM(engine_process=False, max_waiting_requests=2, request_timeout_s=1.0,
+                      max_model_len=256)
+    send = engine.engine_core.send
+    engine.engine_core.send = lambda kind, payload: None if kind == "add" else send(kind, payload)
+    body = {"model": "nanoserve-tiny", "prompt": "Once", "max_tokens": 4}
+    with serve(engine, "nanoserve-tiny") as url:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                held = [asyncio.create_task(client.post("/v1/completions", json=body))
+                        for _ in range(2)]
+                await asyncio.sleep(0.3)
+                refused = await client.post("/v1/completions", json=body)
+                timed_out = await asyncio.gather(*held)
+                return refused, timed_out, await client.get("/metrics")
+        refused, timed_out, metrics = asyncio.run(scenario())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "max_waiting_requests" in refused.json()["error"]["message"]
+        assert [r.status_code for r in timed_out] == [408, 408]
+        assert "request_timeout_s" in timed_out[0].json()["error"]["message"]
+        assert "nanoserve:requests_rejected_total 1.0" in metrics.text
+        assert "nanoserve:requests_timed_out_total 2.0" in metrics.text
+        too_many = httpx.post(f"{url}/v1/completions", json={**body, "n": 129})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "n"
+        batch = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b", "c"]})
+        assert batch.status_code == 400 and batch.json()["error"]["param"] == "prompt"
