@@ -101,7 +101,10 @@ def main():
     spec = {"model": str(path), "dtype": args.dtype, "prompts": prompts,
             "output_lens": output_lens, "runs": args.runs, "prefix_caching": args.prefix_caching}
     llm = make_bench_llm(str(path), args.dtype, enable_prefix_caching=args.prefix_caching)
-    ours = [time_workload(llm, prompts, output_lens)["output_tok_s"] for _ in range(args.runs)]
+    ours = []
+    for _ in range(args.runs):
+        ours.append(time_workload(llm, prompts, output_lens)["output_tok_s"])
+        print(f"nanoserve run: {ours[-1]:.1f} output tok/s", flush=True)
     gemm_paths = llm.engine.runner.gemm_paths
     del llm  # frees its 4 GiB KV cache before vLLM allocates its own
     theirs = run_vllm(args.vllm_python, spec)
