@@ -46,6 +46,8 @@ class Config:
     cpu_gemm: str = _f("auto", "How Linear layers multiply on CPU. 'auto': the fastest path on "
                        "this machine, timed at start-up on the model's shapes.",
                        ("auto", "torch", "onednn", "onednn-fp32"))
+    tensor_parallel_size: int = _f(1, "Split the model over this many worker processes "
+                                   "(torch.distributed: NCCL, one GPU each; gloo on CPU).")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
                                       "Default and cap: the model's max_position_embeddings.")
     # -- KV cache ------------------------------------------------------------
@@ -72,6 +74,7 @@ class Config:
         _positive_int(self, "block_size")
         _positive_int(self, "max_num_seqs")
         _positive_int(self, "max_num_batched_tokens")
+        _positive_int(self, "tensor_parallel_size")
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)

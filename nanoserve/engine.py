@@ -26,6 +26,7 @@ import time
 from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 from nanoserve.config import DEFAULT_MODEL, Config
+from nanoserve.executor import MultiprocExecutor
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.output_processor import RequestOutput, RequestState, load_tokenizer
 from nanoserve.sampling_params import SamplingParams
@@ -41,7 +42,8 @@ class EngineCore:
 
     def __init__(self, config: Config):
         self.tracer = Tracer.open(config.trace)
-        self.runner = ModelRunner(config)
+        # tensor_parallel_size > 1: the same execute_model over one worker process per rank
+        self.runner = ModelRunner(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
         self.config = config = self.runner.config        # resolved: fixed from here on
         self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
                                                config.enable_prefix_caching, self.tracer)

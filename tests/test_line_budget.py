@@ -6,8 +6,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "nanoserve"
 MAX_LINES_PER_FILE = 400
 # 5,000 until the CPU GEMM paths (models/linear.py: oneDNN packing chosen by timing at start-up)
-# needed a file of their own; the process layout and tensor parallel need more room again.
-MAX_LINES_TOTAL = 5400
+# needed a file of their own; the process layout and tensor parallel need more room again:
+# 5,400 -> 5,600 for tensor parallel (executor.py: worker processes and their supervision;
+# distributed.py: the collectives; the shard-aware loader in models/llama.py).
+MAX_LINES_TOTAL = 5600
 
 
 def test_line_budget():
