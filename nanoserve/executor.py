@@ -49,7 +49,6 @@ class Worker:
     def __init__(self, config: Config, rank: int, init_method: str):
         size = config.tensor_parallel_size
         device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device))
-        self.rank = rank
         self.runner = ModelRunner(config, TensorParallel(rank, size), device)
 
     def describe(self) -> dict:
@@ -63,7 +62,11 @@ class Worker:
 def _exit_with_parent() -> None:
     """Exit this process the moment its parent does (even while stuck in a collective)."""
     parent = multiprocessing.parent_process()
-    threading.Thread(target=lambda: (wait([parent.sentinel]), os._exit(1)), daemon=True).start()
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def run_worker(config: Config, rank: int, init_method: str, conn) -> None:
@@ -74,8 +77,10 @@ def run_worker(config: Config, rank: int, init_method: str, conn) -> None:
         conn.send(("ready", worker.describe() if rank == 0 else None))
         while (scheduler_output := conn.recv()) is not None:
             result = worker.runner.execute_model(scheduler_output)
-            if rank == 0:
-                conn.send(("result", (*result, worker.runner.timings)))
+            if rank == 0:    # with this step's timings, which start again from zero
+                timings = worker.runner.timings
+                conn.send(("result", (*result, dict(timings))))
+                timings.update(dict.fromkeys(timings, 0.0))
     except EOFError:     # the engine core closed the pipe: nothing left to do
         pass
     except BaseException:
@@ -134,7 +139,8 @@ class MultiprocExecutor:
             self.error = str(e)
             self.close()
             raise WorkerError(self.error) from None
-        self.timings.update(timings)
+        for name, seconds in timings.items():
+            self.timings[name] += seconds
         return sampled, logprobs
 
     def _receive(self, ranks) -> dict:

@@ -16,6 +16,9 @@ table [7, 1, 3], request B prefills a 3-token prompt into block [5]:
 Only requests that reach the end of their known tokens sample; a prefill chunk that stops
 short of its prompt's end computes K/V and nothing else.
 
+Under tensor parallel each rank's ModelRunner (executor.py) holds its shard of the weights and
+of the KV heads, runs the same step on the same flat batch, and only rank 0 samples.
+
 Loading follows HF's format: config.json, *.safetensors (one file, or shards with
 model.safetensors.index.json) and tokenizer files, from a directory, the built-in
 `nanoserve-tiny`, or a hub id when the hub is reachable.

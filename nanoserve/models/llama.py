@@ -18,14 +18,19 @@ the fused matrices:
     model.layers.0.self_attn.k_proj.weight  ->  rows [q_size, q_size + kv_size) of qkv_proj.weight
     model.layers.0.mlp.up_proj.weight       ->  rows [intermediate, 2 * intermediate) of gate_up_proj
 
+Under tensor parallel (`tp`, distributed.py) each rank builds the modules of `shard_for_tp` and
+reads only its part of each checkpoint tensor: q/k/v and gate/up are column-parallel (a rank's
+heads, its slice of gate AND of up), o_proj and down_proj row-parallel (its input columns, then
+an all-reduce), the embedding and LM head vocab-parallel.
+
 Run the oracle tests (logits == HF transformers, prefill, chunked prefill and decode):
     pytest -q tests/test_models.py
 """
 
 from __future__ import annotations
 
-import math
 import copy
+import math
 from typing import Iterable, Optional
 
 import torch
