@@ -155,7 +155,7 @@ class MultiprocExecutor:
                     continue
                 try:
                     kind, payload = conn.recv()
-                except EOFError:    # it died: its exit code says how
+                except (EOFError, OSError):    # it died: its exit code says how
                     raise self._died(r) from None
                 if kind == "error":
                     raise WorkerError(f"tensor-parallel worker rank {r} failed: {payload}")
