@@ -46,6 +46,8 @@ class Config:
     cpu_gemm: str = _f("auto", "How Linear layers multiply on CPU. 'auto': the fastest path on "
                        "this machine, timed at start-up on the model's shapes.",
                        ("auto", "torch", "onednn", "onednn-fp32"))
+    tensor_parallel_size: int = _f(1, "Split the model over this many worker processes "
+                                   "(torch.distributed: NCCL, one GPU each; gloo on CPU).")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
                                       "Default and cap: the model's max_position_embeddings.")
     # -- KV cache ------------------------------------------------------------
@@ -84,6 +86,7 @@ class Config:
         _positive_int(self, "max_waiting_requests")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 (got {self.request_timeout_s})")
+        _positive_int(self, "tensor_parallel_size")
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)

@@ -25,6 +25,7 @@ Run the tests: `pytest tests/test_api.py -k "engine_core or outlives"`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import multiprocessing
 import os
 import pickle
@@ -98,9 +99,12 @@ class MPClient:
             sock.bind(address)
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
+        # Not daemonic: with tensor parallel it starts the worker processes itself, which a
+        # daemonic process may not. The parent pipe (below) and atexit stop it instead.
         self.process = context.Process(target=run_engine_core_process, name="nanoserve-engine-core",
-                                       args=(config, *addresses, child_conn), daemon=True)
+                                       args=(config, *addresses, child_conn))
         self.process.start()
+        atexit.register(self.shutdown)
         child_conn.close()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._exited: Optional[asyncio.Future] = None
@@ -148,6 +152,9 @@ class MPClient:
 
     def shutdown(self) -> None:
         """Ask the engine core to stop; terminate, then kill it if it does not."""
+        atexit.unregister(self.shutdown)
+        if self._dir is None:               # already shut down
+            return
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self.process.sentinel)
         if self.process.is_alive():
@@ -159,6 +166,7 @@ class MPClient:
                 self.process.join(STOP_TIMEOUT_S)
         self._zmq.destroy(linger=0)
         self._dir.cleanup()
+        self._dir = None
 
 
 def run_engine_core_process(config: Config, input_address: str, output_address: str,

@@ -28,6 +28,7 @@ from nanoserve.kv_cache import KVCacheManager
 from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request
 from nanoserve.scheduler import Scheduler
 from nanoserve.trace import Tracer
+from nanoserve.executor import MultiprocExecutor
 from nanoserve.worker import ModelRunner
 
 
@@ -36,7 +37,9 @@ class EngineCore:
 
     def __init__(self, config: Config):
         self.tracer = Tracer.open(config.trace)
-        self.runner = ModelRunner(config)
+        # tensor_parallel_size > 1: the same execute_model over one worker process per rank
+        self.runner = (ModelRunner(config) if config.tensor_parallel_size == 1
+                       else MultiprocExecutor(config))
         self.config = config = self.runner.config        # resolved: fixed from here on
         # What a front end needs to know of the model (it may live in another process).
         self.vocab_size, self.model_path = self.runner.vocab_size, str(self.runner.model_path)

@@ -21,13 +21,12 @@ the tensor data) or, with only a config.json, from the engine's own model built 
 device (shapes without memory); the RoPE tables the model builds at load are added. The
 activation reserve is the engine's profile, estimated: `estimate_activation_bytes` (model_loader.py).
 With --tensor-parallel-size N everything is per GPU: each holds 1/N of the weights and of the
-KV heads (at least one), as vLLM shards them. nanoserve itself runs on one device, and stores
-KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
+KV heads (at least one), as vLLM and the engine's own --tensor-parallel-size shard them
+(models/llama.py `shard_for_tp`). nanoserve stores KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import struct
@@ -42,7 +41,7 @@ from rich.table import Table
 
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.models import get_model_class
-from nanoserve.models.llama import head_dim_of
+from nanoserve.models.llama import head_dim_of, shard_for_tp
 from nanoserve.model_loader import (CPU_KV_CACHE_GB, estimate_activation_bytes,
                                     kv_cache_bytes_per_token, kv_cache_memory_budget, max_len_of,
                                     num_blocks_for_memory, resolve_dtype, resolve_model_path,
@@ -134,26 +133,6 @@ def checkpoint_num_params(path: Path, tied: bool) -> Optional[int]:
             if name != "__metadata__" and not skipped:
                 total += math.prod(info["shape"])
     return total
-
-
-def shard_for_tp(hf_config, tp: int):
-    """The config one of `tp` GPUs computes with, as vLLM shards a Llama: attention heads, KV
-    heads (never below one: with tp > kv_heads each GPU keeps a replica), the MLP's
-    intermediate size and the vocabulary split tp ways."""
-    if tp == 1:
-        return hf_config
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads ({heads}) "
-                         f"and divide, or be a multiple of, num_key_value_heads ({kv_heads})")
-    shard = copy.deepcopy(hf_config)
-    shard.head_dim = head_dim_of(hf_config)  # explicit: hidden_size / heads no longer gives it
-    shard.num_attention_heads = heads // tp
-    shard.num_key_value_heads = max(1, kv_heads // tp)
-    shard.intermediate_size = -(-hf_config.intermediate_size // tp)
-    shard.vocab_size = -(-hf_config.vocab_size // tp)
-    return shard
 
 
 def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[float] = None,

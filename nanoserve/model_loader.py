@@ -50,7 +50,8 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def iterate_weights(path: Path):
-    """(name, tensor) for every tensor of the checkpoint, shard by shard."""
+    """(name, slice) for every tensor of the checkpoint, file by file: a slice reads from the
+    file only the part it is indexed with, so a tensor-parallel rank reads only its shard."""
     from safetensors import safe_open
     files = safetensors_files(path)
     if not files:
@@ -58,7 +59,11 @@ def iterate_weights(path: Path):
     for file in files:
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
-                yield key, f.get_tensor(key)
+                yield key, f.get_slice(key)
+
+
+def resolve_device(device: str) -> str:
+    return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:

@@ -19,6 +19,9 @@ short of its prompt's end computes K/V and nothing else.
 Finding and reading the checkpoint, and the KV pool's sizing formulas, are in model_loader.py
 (`nanoserve memory` uses them too, without a ModelRunner).
 
+Under tensor parallel each rank's ModelRunner (executor.py) holds its shard of the weights and
+of the KV heads, runs the same step on the same flat batch, and only rank 0 samples.
+
 Lesson: lessons/06-length-and-memory.md
 """
 
@@ -33,8 +36,9 @@ import torch
 
 from nanoserve.config import Config
 from nanoserve.model_loader import (CPU_KV_CACHE_GB, iterate_weights, kv_cache_memory_budget,
-                                    max_len_of, num_blocks_for_memory, resolve_dtype,
-                                    resolve_model_path)
+                                    max_len_of, num_blocks_for_memory, resolve_device,
+                                    resolve_dtype, resolve_model_path)
+from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models import get_model_class
 from nanoserve.models.linear import choose_cpu_gemms
 from nanoserve.paged_attention import AttentionMetadata
@@ -62,13 +66,16 @@ def keep_freed_memory() -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    """`tp` and `device`: given by a tensor-parallel Worker (executor.py); then the model is this
+    rank's shard, the KV cache holds this rank's KV heads, and only rank 0 samples."""
+
+    def __init__(self, config: Config, tp: TensorParallel = SINGLE,
+                 device: Optional[torch.device] = None):
         from transformers import AutoConfig
         self.model_path = resolve_model_path(config.model)
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        device = config.device if config.device != "auto" else (
-            "cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.tp = tp
+        self.device = device or torch.device(resolve_device(config.device))
         if self.device.type == "cpu":
             keep_freed_memory()
             load_cpu_kernel()  # build it (or warn) now, not in the middle of the first decode
@@ -99,20 +106,23 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)    # parameters are created in the target dtype
         try:
             with self.device:
-                model = model_class(self.hf_config)
+                model = model_class(self.hf_config, self.tp)
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iterate_weights(self.model_path))
         return model.eval()
 
     def _num_kv_blocks(self, config: Config) -> int:
+        """The pool, per rank: each rank's memory holds its own KV heads (`nanoserve memory
+        --tensor-parallel-size` sizes with the same shard), and all ranks use the smallest."""
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if config.kv_cache_memory_gb is not None or self.device.type != "cuda":
             memory = (config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30
         else:
             memory = self._profile_free_cuda_memory(config)
-        return num_blocks_for_memory(memory, self.hf_config, self.dtype, config.block_size)
+        blocks = num_blocks_for_memory(memory, self.model.shard_config, self.dtype, config.block_size)
+        return self.tp.min_int(blocks, self.device) if self.tp.size > 1 else blocks
 
     @torch.inference_mode()
     def _profile_free_cuda_memory(self, config: Config) -> float:
@@ -146,7 +156,7 @@ class ModelRunner:
         return usable
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.hf_config
+        cfg = self.model.shard_config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (num_blocks, self.block_size,
                  getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim)
@@ -200,6 +210,8 @@ class ModelRunner:
             self.timings["forward"] += time.perf_counter() - forward_start
             return {}, {}
         logits = self.model.compute_logits(hidden[logits_indices])
+        if logits is None:     # a tensor-parallel rank other than 0: rank 0 samples
+            return {}, {}
         # On CUDA the forward runs asynchronously: its time lands in "sample", at the sync.
         sample_start = time.perf_counter()
         self.timings["forward"] += sample_start - forward_start

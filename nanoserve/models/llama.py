@@ -18,19 +18,26 @@ the fused matrices:
     model.layers.0.self_attn.k_proj.weight  ->  rows [q_size, q_size + kv_size) of qkv_proj.weight
     model.layers.0.mlp.up_proj.weight       ->  rows [intermediate, 2 * intermediate) of gate_up_proj
 
+Under tensor parallel (`tp`, distributed.py) each rank builds the modules of `shard_for_tp` and
+reads only its part of each checkpoint tensor: q/k/v and gate/up are column-parallel (a rank's
+heads, its slice of gate AND of up), o_proj and down_proj row-parallel (its input columns, then
+an all-reduce), the embedding and LM head vocab-parallel.
+
 Run the oracle tests (logits == HF transformers, prefill, chunked prefill and decode):
     pytest -q tests/test_models.py
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models.linear import Linear
 from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
 
@@ -51,6 +58,28 @@ class RMSNorm(nn.Module):
 def head_dim_of(cfg) -> int:
     # Qwen3 sets head_dim explicitly (and num_heads * head_dim may differ from hidden_size).
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def shard_for_tp(hf_config, tp: int):
+    """The config one of `tp` ranks computes with, as vLLM shards a Llama: attention heads, KV
+    heads (never below one: with tp > kv_heads each rank keeps a replica), the MLP's
+    intermediate size and the vocabulary (rounded up: the last rank's slice is padded) split tp
+    ways. The engine builds each rank's modules from it; `nanoserve memory` sizes with it."""
+    if tp == 1:
+        return hf_config
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv_heads % tp and tp % kv_heads) or hf_config.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads ({heads}) "
+                         f"and intermediate_size ({hf_config.intermediate_size}), and divide, or "
+                         f"be a multiple of, num_key_value_heads ({kv_heads})")
+    shard = copy.deepcopy(hf_config)
+    shard.head_dim = head_dim_of(hf_config)  # explicit: hidden_size / heads no longer gives it
+    shard.num_attention_heads = heads // tp
+    shard.num_key_value_heads = max(1, kv_heads // tp)
+    shard.intermediate_size = hf_config.intermediate_size // tp
+    shard.vocab_size = -(-hf_config.vocab_size // tp)
+    return shard
 
 
 def rope_parameters(hf_config) -> dict:
@@ -118,8 +147,9 @@ def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
@@ -133,7 +163,8 @@ class LlamaAttention(nn.Module):
         else:
             qkv_bias = o_bias = getattr(cfg, "attention_bias", False)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        # Row-parallel: each rank multiplies its heads' columns; rank 0 alone adds the bias.
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias and tp.rank == 0)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -151,32 +182,35 @@ class LlamaAttention(nn.Module):
         k_cache, v_cache = kv_cache
         store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
-        return self.o_proj(out.view(n, self.q_size))
+        out = self.o_proj(out.view(n, self.q_size))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama family uses 'silu')")
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias and tp.rank == 0)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         # In place on the fused product (ours to overwrite): a 2048-token prefill then makes no
         # new [tokens, intermediate] activations here; down_proj reads the strided view as is.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        out = self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, rope, hidden, kv_cache, attn_metadata) -> Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
@@ -184,20 +218,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config):
+    """`tp`: this rank's place in a tensor-parallel group; its modules get `shard_for_tp`'s
+    shapes and `load_weights` reads only this rank's slice of each checkpoint tensor."""
+
+    def __init__(self, hf_config, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = hf_config
-        self.model = LlamaModel(hf_config)
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.config, self.tp = hf_config, tp
+        self.shard_config = shard = shard_for_tp(hf_config, tp.size)
+        self.vocab_range = tp.shard(hf_config.vocab_size)   # this rank's rows of the vocabulary
+        self.model = LlamaModel(shard, tp)
+        self.lm_head = Linear(hf_config.hidden_size, shard.vocab_size, bias=False)
         self.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -220,11 +259,21 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"kv_caches has {len(kv_caches)} entries, the model {len(self.model.layers)} layers"
             )
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden = layer(rope, hidden, kv_cache, attn_metadata)
         return self.model.norm(hidden)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """Vocab-parallel under TP: a rank looks up the ids in its slice, zeros the others, and
+        the all-reduce sums the one non-zero row of each token."""
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        start, end = self.vocab_range
+        outside = (input_ids < start) | (input_ids >= end)
+        hidden = self.model.embed_tokens((input_ids - start).masked_fill_(outside, 0))
+        return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
 
     def linears(self, max_num_batched_tokens: int, max_num_seqs: int):
         """(Linear, row counts it multiplies) for every product: the layers see up to a step's
@@ -234,22 +283,43 @@ class LlamaForCausalLM(nn.Module):
         return [(m, rows(max_num_seqs) if m is self.lm_head else rows(max_num_batched_tokens))
                 for m in self.modules() if isinstance(m, Linear)]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [n, hidden_size] (only the rows to sample) -> logits [n, vocab_size] float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor) -> Optional[Tensor]:
+        """hidden [n, hidden_size] (only the rows to sample) -> logits [n, vocab_size] float32.
+        Under TP each rank computes its vocab slice; rank 0 gets them all, other ranks None."""
+        logits = self.lm_head(hidden)
+        if self.tp.size > 1:
+            logits = self.tp.gather_logits(logits, self.config.vocab_size)
+        return None if logits is None else logits.float()
 
-    def _checkpoint_targets(self) -> dict[str, tuple[Tensor, slice]]:
-        """Every HF checkpoint name this model needs -> (our parameter, its rows for that weight)."""
+    def _checkpoint_targets(self) -> dict[str, tuple[Tensor, slice, tuple, int]]:
+        """Every HF checkpoint name this model needs -> (our parameter, its rows for that weight,
+        the index of this rank's part of the checkpoint tensor, the checkpoint's size along the
+        dimension that index cuts). With one rank every part is the whole tensor. With tp ranks:
+        column-parallel matrices (q, k, v, gate, up; their biases) and the vocabulary (embedding,
+        LM head) give a rank a block of rows; the row-parallel o_proj and down_proj a block of
+        columns; norms are replicated."""
+        tp, every, cfg = self.tp, slice(None), self.config
         targets = {}
         for name, p in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
-            targets[name] = (p, slice(None))
+            targets[name] = (p, every, (every,), p.shape[0])
+        start, end = self.vocab_range
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in targets:
+                targets[name] = (targets[name][0], slice(0, end - start), (slice(start, end),),
+                                 cfg.vocab_size)
         attn = self.model.layers[0].self_attn
-        q, kv, mlp = attn.q_size, attn.kv_size, self.config.intermediate_size
-        fused = {  # our fused module -> the HF modules stacked in it, in row order, with their rows
-            "self_attn.qkv_proj": [
-                ("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)
-            ],
-            "mlp.gate_up_proj": [("mlp.gate_proj", mlp), ("mlp.up_proj", mlp)],
+        q, kv, mlp = attn.q_size, attn.kv_size, self.shard_config.intermediate_size
+        # KV heads: rank r reads from head r * kv_heads // tp; with fewer heads than ranks
+        # that rounds down, so tp / kv_heads neighbouring ranks read (replicate) the same head.
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        kv_first = tp.rank * kv_heads // tp.size * attn.head_dim
+        fused = {  # our fused module -> the HF modules stacked in it, in row order: (name, our
+            # rows, first row of this rank's part, rows of the checkpoint's matrix)
+            "self_attn.qkv_proj": [("self_attn.q_proj", q, tp.rank * q, q * tp.size),
+                                   ("self_attn.k_proj", kv, kv_first, kv_heads * attn.head_dim),
+                                   ("self_attn.v_proj", kv, kv_first, kv_heads * attn.head_dim)],
+            "mlp.gate_up_proj": [("mlp.gate_proj", mlp, tp.rank * mlp, cfg.intermediate_size),
+                                 ("mlp.up_proj", mlp, tp.rank * mlp, cfg.intermediate_size)],
         }
         for i in range(len(self.model.layers)):
             for ours, parts in fused.items():
@@ -257,21 +327,30 @@ class LlamaForCausalLM(nn.Module):
                     name = f"model.layers.{i}.{ours}.{kind}"
                     if name not in targets:  # a projection without bias
                         continue
-                    param, _ = targets.pop(name)
+                    param = targets.pop(name)[0]
                     start = 0
-                    for hf_module, num_rows in parts:
+                    for hf_module, num_rows, first, full in parts:
                         hf_name = f"model.layers.{i}.{hf_module}.{kind}"
-                        targets[hf_name] = (param, slice(start, start + num_rows))
+                        targets[hf_name] = (param, slice(start, start + num_rows),
+                                            (slice(first, first + num_rows),), full)
                         start += num_rows
+            for module, cols in (("self_attn.o_proj", q), ("mlp.down_proj", mlp)):
+                name = f"model.layers.{i}.{module}.weight"
+                targets[name] = (targets[name][0], every,
+                                 (every, slice(tp.rank * cols, (tp.rank + 1) * cols)),
+                                 cols * tp.size)
         return targets
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Fill every parameter from (HF name, tensor) pairs, e.g. a safetensors file's items.
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """Fill every parameter from (HF name, tensor) pairs, e.g. a safetensors file's items,
+        or (HF name, safetensors slice) pairs (`safe_open(...).get_slice(name)`): then only this
+        rank's part of each tensor is read from the file.
 
         Rotary `inv_freq` buffers (old checkpoints) are skipped, as is `lm_head.weight` when it is
-        tied to the embedding. A name we do not know, a shape that does not match, or a weight
-        the checkpoint lacks raises ValueError naming the weight.
+        tied to the embedding, and on ranks other than 0 the row-parallel biases (rank 0 adds
+        them once). A name we do not know, a shape that does not match, or a weight the
+        checkpoint lacks raises ValueError naming the weight.
         """
         targets = self._checkpoint_targets()
         missing = set(targets)
@@ -280,15 +359,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            if self.tp.rank > 0 and name.endswith(("o_proj.bias", "down_proj.bias")):
+                continue
             if name not in targets:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint for {type(self).__name__}")
-            param, rows = targets[name]
+            param, rows, part, full = targets[name]
             dest = param.data[rows]
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            # The checkpoint's shape: ours, with the dimension this rank's part cuts at full size.
+            expected = list(dest.shape)
+            expected[len(part) - 1] = full
+            shape = list(tensor.shape if isinstance(tensor, Tensor) else tensor.get_shape())
+            if shape != expected:
+                raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
+            dest.copy_(tensor[part])
             missing.discard(name)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")

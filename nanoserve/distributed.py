@@ -1,0 +1,81 @@
+"""distributed.py: what one tensor-parallel rank knows of its group, and the collectives it calls.
+
+With `tensor_parallel_size` N, N worker processes each hold 1/N of every large weight
+(models/llama.py `shard_for_tp`) and run the same step on it. Three collectives put the
+pieces back together, all over torch.distributed (gloo on CPU, NCCL on CUDA):
+
+    all_reduce      after each row-parallel product (o_proj, down_proj) and the vocab-parallel
+                    embedding: every rank computed a partial sum of the same [tokens, hidden]
+    gather_logits   the LM head: rank r computed logits for its vocab slice; rank 0 stitches
+                    [n, vocab] together to sample, the other ranks get None
+    min_int         the KV pool: each rank sizes its own, all use the smallest
+
+A `TensorParallel` of size 1 (SINGLE) is what the single-process engine passes: the model checks
+`tp.size > 1` before any collective, so TP=1 runs no collective and no extra copy.
+
+Run the tests (TP=2 over gloo on CPU == TP=1 == HF, token for token):
+    pytest -q tests/test_tensor_parallel.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+
+    def shard(self, n: int) -> tuple[int, int]:
+        """[start, end) of rank's share of n rows split `size` ways (the last may be short)."""
+        per = -(-n // self.size)
+        return min(self.rank * per, n), min((self.rank + 1) * per, n)
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def gather_logits(self, logits: Tensor, vocab_size: int) -> Optional[Tensor]:
+        """Each rank's [n, vocab / size] slice -> [n, vocab] on rank 0 (None elsewhere)."""
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(logits.contiguous(), parts, dst=0)
+        # The last slice is padded when size does not divide the vocabulary: cut the padding.
+        return torch.cat(parts, dim=-1)[:, :vocab_size] if self.rank == 0 else None
+
+    def min_int(self, value: int, device: torch.device) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+SINGLE = TensorParallel()
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on now, for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: str) -> torch.device:
+    """Join the group as `rank` and return this rank's device: on CUDA one GPU per rank and
+    NCCL; on CPU gloo, with the cores shared out (N ranks each using every core would fight
+    over them: on 2 cores with N=2, one thread each)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        backend, dev = "nccl", torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        backend, dev = "gloo", torch.device("cpu")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            device_id=dev if backend == "nccl" else None)
+    return dev

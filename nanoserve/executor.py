@@ -1,0 +1,195 @@
+"""executor.py: tensor parallel as processes: one `Worker` per rank, driven by the engine core.
+
+    LLM(model, tensor_parallel_size=2)      # or: nanoserve serve --tensor-parallel-size 2
+
+With `tensor_parallel_size` N > 1, `EngineCore` holds a `MultiprocExecutor` where it would hold
+a ModelRunner; it has the same `execute_model(scheduler_output)` and the attributes the core
+reads (config, timings, model_path, hf_config, vocab_size). The layout:
+
+    engine core process                       worker processes, one per rank (spawned)
+    MultiprocExecutor --- pipe per rank --->  Worker: join the group (gloo on CPU, NCCL on
+      send SchedulerOutput to every rank        CUDA, one GPU per rank) -> ModelRunner(shard)
+      <--- (sampled, logprobs) from rank 0      all ranks run the step; rank 0 samples
+
+Every rank, rank 0 included, has its own process, and the engine core is no member of the
+torch.distributed group. Why: a process waiting inside a collective cannot notice that a peer
+died (gloo waits out its timeout, NCCL may wait forever). The engine core only waits on pipes
+and on the workers' process sentinels at once (`multiprocessing.connection.wait`), so a dead or
+failing worker is an error at once, never a hang. On a GPU it also keeps the engine core free of
+a CUDA context. The cost: the SchedulerOutput is pickled once per rank per step.
+
+No orphans: workers are daemonic (stopped when the engine core exits), `close()` (also run when
+the executor is garbage-collected) stops them, and each worker exits as soon as its parent dies.
+
+Run the tests:
+    pytest -q tests/test_tensor_parallel.py
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import traceback
+import weakref
+from multiprocessing.connection import wait
+
+from nanoserve.config import Config
+from nanoserve.distributed import TensorParallel, free_port, init_tensor_parallel
+from nanoserve.models.llama import shard_for_tp
+from nanoserve.model_loader import resolve_device, resolve_model_path
+from nanoserve.request import SchedulerOutput
+from nanoserve.worker import ModelRunner
+
+JOIN_TIMEOUT_S = 5.0
+
+
+class Worker:
+    """One rank: joins the group, picks its device, then loads its shard into a ModelRunner."""
+
+    def __init__(self, config: Config, rank: int, init_method: str):
+        size = config.tensor_parallel_size
+        device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device))
+        self.runner = ModelRunner(config, TensorParallel(rank, size), device)
+
+    def describe(self) -> dict:
+        """What the engine core reads from its runner (sent once, by rank 0)."""
+        r = self.runner
+        return dict(config=r.config, model_path=r.model_path, hf_config=r.hf_config,
+                    vocab_size=r.vocab_size, dtype=r.dtype, device=r.device,
+                    gemm_paths=r.gemm_paths)
+
+
+def _exit_with_parent() -> None:
+    """Exit this process the moment its parent does (even while stuck in a collective)."""
+    parent = multiprocessing.parent_process()
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def run_worker(config: Config, rank: int, init_method: str, conn) -> None:
+    """A worker process's main loop: a SchedulerOutput in, a step; None in, stop."""
+    _exit_with_parent()
+    try:
+        worker = Worker(config, rank, init_method)
+        conn.send(("ready", worker.describe() if rank == 0 else None))
+        while (scheduler_output := conn.recv()) is not None:
+            result = worker.runner.execute_model(scheduler_output)
+            if rank == 0:    # with this step's timings, which start again from zero
+                timings = worker.runner.timings
+                conn.send(("result", (*result, dict(timings))))
+                timings.update(dict.fromkeys(timings, 0.0))
+    except EOFError:     # the engine core closed the pipe: nothing left to do
+        pass
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or died; the executor is unusable from then on."""
+
+
+class MultiprocExecutor:
+    """N worker processes behind ModelRunner's `execute_model` (see the module docstring)."""
+
+    def __init__(self, config: Config):
+        from transformers import AutoConfig
+        # A size the model cannot be split into is a ValueError here, not N worker tracebacks.
+        shard_for_tp(AutoConfig.from_pretrained(resolve_model_path(config.model)),
+                     config.tensor_parallel_size)
+        ctx = multiprocessing.get_context("spawn")   # no forked copies of threads or CUDA state
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.conns, self.procs, self.error = [], [], None
+        for rank in range(config.tensor_parallel_size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=run_worker, args=(config, rank, init_method, theirs),
+                               name=f"nanoserve-worker-{rank}", daemon=True)
+            proc.start()
+            theirs.close()     # only the child holds it now: its death closes the pipe
+            self.conns.append(ours)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        try:
+            info = self._receive(range(len(self.procs)))[0]
+        except WorkerError:
+            self.close()
+            raise
+        for name, value in info.items():
+            setattr(self, name, value)
+        self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # rank 0's
+
+    def execute_model(self, scheduler_output: SchedulerOutput):
+        """Send the step to every rank; return rank 0's ({request id: token}, logprobs)."""
+        if self.error:
+            raise WorkerError(f"tensor-parallel workers are down: {self.error}")
+        try:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send(scheduler_output)
+                except OSError:       # its end of the pipe is gone: so is it
+                    raise self._died(rank) from None
+            sampled, logprobs, timings = self._receive([0])[0]
+        except WorkerError as e:
+            self.error = str(e)
+            self.close()
+            raise WorkerError(self.error) from None
+        for name, seconds in timings.items():
+            self.timings[name] += seconds
+        return sampled, logprobs
+
+    def _receive(self, ranks) -> dict:
+        """{rank: its next message} for `ranks`; WorkerError as soon as any rank reports an
+        error, dies, or closes its pipe (waiting on pipes and process sentinels together)."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        got: dict = {}
+        while len(got) < len(ranks):
+            ready = wait([*self.conns, *sentinels])
+            for r, conn in enumerate(self.conns):
+                if conn not in ready:
+                    continue
+                try:
+                    kind, payload = conn.recv()
+                except (EOFError, OSError):    # it died: its exit code says how
+                    raise self._died(r) from None
+                if kind == "error":
+                    raise WorkerError(f"tensor-parallel worker rank {r} failed: {payload}")
+                got[r] = payload
+            for s in (s for s in sentinels if s in ready):
+                raise self._died(sentinels[s])
+        return got
+
+    def _died(self, rank: int) -> WorkerError:
+        proc = self.procs[rank]
+        proc.join(JOIN_TIMEOUT_S)      # reap it, for its exit code
+        return WorkerError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died with "
+                           f"exit code {proc.exitcode}")
+
+    def close(self) -> None:
+        """Stop every worker (also run when the executor is garbage-collected)."""
+        self._finalizer()
+
+
+def _stop(procs, conns) -> None:
+    """Ask each worker to stop, then terminate, then kill whoever is still there."""
+    for conn in conns:
+        try:
+            conn.send(None)
+        except OSError:      # that worker is gone already
+            pass
+    for proc in procs:
+        proc.join(JOIN_TIMEOUT_S)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(JOIN_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
