@@ -120,8 +120,9 @@ class MPClient:
         if kind == "error":
             self.shutdown()
             raise payload
-        self.config, self.vocab_size, self.model_path, self.stats = payload
-        self.processes = [("api server", os.getpid()), ("engine core", self.process.pid)]
+        self.config, self.vocab_size, self.model_path, self.stats, workers = payload
+        self.processes = [("api server", os.getpid()), ("engine core", self.process.pid)] + [
+            (f"worker rank {rank}", pid) for rank, pid in enumerate(workers)]
 
     def send(self, kind: str, payload) -> None:
         try:
@@ -187,7 +188,8 @@ def run_engine_core_process(config: Config, input_address: str, output_address: 
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     poller.register(conn.fileno(), zmq.POLLIN)
-    conn.send(("ready", (core.config, core.vocab_size, core.model_path, core.get_stats())))
+    workers = [p.pid for p in getattr(core.runner, "procs", [])]   # tensor-parallel ranks
+    conn.send(("ready", (core.config, core.vocab_size, core.model_path, core.get_stats(), workers)))
 
     def get_inputs(block: bool) -> Inputs:
         items: Inputs = []
