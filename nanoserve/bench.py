@@ -75,17 +75,17 @@ def useful_flops(hf_config, prompts, output_lens) -> float:
 
 def matmul_peak(runner) -> tuple[float, str]:
     """(FLOP/s, path): the best sustained rate of 512-row products over the model's own layer
-    shapes, along the path its layers use most (chosen per shape at start-up on CPU, linear.py;
-    cuBLAS on CUDA)."""
+    shapes (this rank's, under tensor parallel), along the path its layers use most (chosen per
+    shape at start-up on CPU, linear.py; F.linear, i.e. cuBLAS, on CUDA). The LM head is left
+    out: it only ever multiplies the rows that sample."""
     from collections import Counter
 
-    from nanoserve.models.linear import Linear, gemm_peak
+    from nanoserve.models.linear import gemm_peak
     path = Counter(runner.gemm_paths.values()).most_common(1)[0][0]
-    model = runner.model
-    shapes = {(m.in_features, m.out_features) for m in model.modules()
-              if isinstance(m, Linear) and m is not model.lm_head}
-    return gemm_peak(path if path != "cuBLAS" else "torch", runner.dtype, shapes,
-                     device=runner.device.type), path
+    shapes = {tuple(map(int, label.split()[0].split("x"))) for label in runner.gemm_paths}
+    head_rows = -(-runner.vocab_size // runner.config.tensor_parallel_size)
+    shapes = [(i, o) for i, o in shapes if o != head_rows] or list(shapes)
+    return gemm_peak(path, runner.dtype, shapes, device=runner.device.type), path
 
 
 def cpu_description() -> str:

@@ -81,9 +81,11 @@ class ModelRunner:
             load_cpu_kernel()  # build it (or warn) now, not in the middle of the first decode
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.model = self._load_model()
-        self.gemm_paths = {"all": "cuBLAS"} if self.device.type == "cuda" else choose_cpu_gemms(
+        # On CUDA every product stays F.linear (cuBLAS): "torch" is forced, nothing is timed.
+        self.gemm_paths = choose_cpu_gemms(
             self.model.linears(config.max_num_batched_tokens, config.max_num_seqs),
-            config.cpu_gemm, shared=frozenset({id(self.model.model.embed_tokens.weight)}))
+            config.cpu_gemm if self.device.type == "cpu" else "torch",
+            shared=frozenset({id(self.model.model.embed_tokens.weight)}))
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
         self.config = config.resolve(max_position_embeddings=max_len_of(self.model),
