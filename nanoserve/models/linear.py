@@ -52,7 +52,6 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.gemm: Optional[Gemm] = None
-        self.gemm_path = "torch"
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gemm is not None:
@@ -62,9 +61,9 @@ class Linear(nn.Module):
     def use_gemm(self, path: str, keep_weight: bool) -> None:
         """Multiply with `path` from now on; drop the unpacked weight unless it is needed."""
         if path == "torch":
-            self.gemm, self.gemm_path = None, path
+            self.gemm = None
             return
-        self.gemm, self.gemm_path = make_gemm(path, self.weight.detach(), self.bias), path
+        self.gemm = make_gemm(path, self.weight.detach(), self.bias)
         if not keep_weight:   # the packed copy replaces it: same memory as before packing
             self.weight = None
 
