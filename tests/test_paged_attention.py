@@ -123,11 +123,12 @@ def test_cpu_decode_kernel_is_built_here():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch-fallback"])
-@pytest.mark.parametrize("head_dim", [64, 128, 40])
+@pytest.mark.parametrize("head_dim", [64, 128, 40, 42])
 def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, head_dim, monkeypatch):
     """SmolLM2-135M's attention shape (9 query heads on 3 KV heads, head_dim 64), long decodes
     across many blocks beside a prefill, with and without the C kernel. head_dim 64 and 128 take
-    the kernel's AVX-512 loops where the CPU has them; 40 (not a multiple of 16) the plain ones."""
+    the kernel's SIMD loops on every CPU; 40 takes them with 8 lanes (AVX2) and the plain loops
+    with 16 (AVX-512); 42 (no multiple of any vector width) takes the plain loops everywhere."""
     if not use_kernel:
         monkeypatch.setattr(paged_attention_cpu, "load", lambda: None)
     gen = torch.Generator().manual_seed(1)

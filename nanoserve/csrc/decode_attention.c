@@ -11,12 +11,14 @@
    and each KV head's row serves the `group` query heads that share it (GQA). Two passes over
    the sequence: scores (q . k) and their softmax, then the weighted sum of V rows.
 
-   Two versions of the passes: plain C for any shape and CPU, and AVX-512 for head_dim a multiple
-   of 16 (64 and 128 are the common ones). Why both: in the plain loops the compiler keeps the V
-   pass's sums in memory and picks 256-bit vectors, and their arithmetic took as long as reading
-   the cache; with the sums in registers (and the prefetch below), a 64-request decode step of
-   the bench model spends 56 instead of 81 ms in attention in float32, 44 instead of 67 in
-   bfloat16 (30 layers, ~22k cached tokens; reading them at full memory speed takes ~42 / ~21).
+   Two versions of the passes: plain C for any shape and CPU, and SIMD for head_dim a multiple of
+   the vector width. The SIMD loops use GCC/Clang vector extensions, which compile to the widest
+   vectors -march=native offers (AVX-512: 16 floats, AVX/AVX2: 8, SSE or NEON: 4), so every
+   machine gets them, not only AVX-512 ones. Why both: in the plain loops the compiler keeps the V
+   pass's sums in memory, and their arithmetic took as long as reading the cache; with the sums in
+   registers (and the prefetch below), a 64-request decode step of the bench model spends 56
+   instead of 81 ms in attention in float32, 44 instead of 67 in bfloat16 on an AVX-512 machine
+   (30 layers, ~22k cached tokens; reading them at full memory speed takes ~42 / ~21).
 
    Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
    a request is slot block_table[p / block_size] * block_size + p % block_size.
@@ -26,9 +28,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 
 /* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even. */
 static inline float bf16_to_f32(uint16_t x) {
@@ -102,42 +101,68 @@ static void weighted_v_plain(const Seq *s, const float *weights, float *acc, flo
     }
 }
 
-#ifdef __AVX512F__
+/* The vector type: as many float lanes as this CPU's widest vector register holds. */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vfloat __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vuint32 __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vuint16 __attribute__((vector_size(2 * LANES)));
+#define MAX_NJ (128 / LANES) /* head_dim up to 128 */
+
 /* Why prefetch: blocks lie anywhere in the cache, and the hardware prefetcher stops at each page
    edge, so without a hint every block starts with a stall. Asking for K rows 4 positions ahead
    and the next V block while this one is summed took the bench step's attention from ~67 to
-   ~56 ms in float32 (from ~56 to ~43 in bfloat16). */
+   ~56 ms in float32 (from ~56 to ~43 in bfloat16) on an AVX-512 machine. */
 enum { PREFETCH_ROWS = 4 };
 
 static inline void prefetch(const char *start, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(start + b);
 }
 
-/* 16 values of a cache row from `row` as float32 lanes (bf16: widen by shifting into the top half). */
-static inline __m512 load16(const void *row, int bf16) {
-    if (!bf16) return _mm512_loadu_ps(row);
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+/* LANES values of a cache row from `row` as float32 (bf16: widen by shifting into the top half).
+   memcpy is how C loads an unaligned vector; it compiles to one vector load. */
+static inline vfloat load_lanes(const void *row, int bf16) {
+    vfloat v;
+    if (!bf16) {
+        memcpy(&v, row, sizeof v);
+        return v;
+    }
+    vuint16 narrow;
+    memcpy(&narrow, row, sizeof narrow);
+    vuint32 wide = __builtin_convertvector(narrow, vuint32) << 16;
+    memcpy(&v, &wide, sizeof v);
+    return v;
 }
 
-/* The same two passes, head_dim = 16 * nj. Always inlined with constant nj and bf16, so the
+static inline float sum_lanes(vfloat v) {
+    float total = 0.f;
+    for (int i = 0; i < LANES; i++) total += v[i];
+    return total;
+}
+
+/* The same two passes, head_dim = LANES * nj. Always inlined with constant nj and bf16, so the
    compiler unrolls the j loops and keeps k[] and a[] in vector registers. */
 static inline __attribute__((always_inline)) void
 passes_simd(const Seq *s, const float *q, float *scores, float *acc, const int nj, const int bf16) {
-    const int head_dim = 16 * nj, size = bf16 ? 2 : 4;
+    const int head_dim = LANES * nj, size = bf16 ? 2 : 4;
     const int64_t row_bytes = (int64_t)s->num_kv_heads * head_dim * size;
     for (int p = 0; p < s->seq_len; p++) {
         const char *row = (const char *)s->k_cache + slot_of(s, p) * row_bytes;
         if (p + PREFETCH_ROWS < s->seq_len)
             prefetch((const char *)s->k_cache + slot_of(s, p + PREFETCH_ROWS) * row_bytes, row_bytes);
         for (int h = 0; h < s->num_kv_heads; h++) {
-            __m512 k[8];  /* this KV head's row, shared by its `group` query heads */
-            for (int j = 0; j < nj; j++) k[j] = load16(row + (h * head_dim + 16 * j) * size, bf16);
+            vfloat k[MAX_NJ];  /* this KV head's row, shared by its `group` query heads */
+            for (int j = 0; j < nj; j++) k[j] = load_lanes(row + (h * head_dim + LANES * j) * size, bf16);
             for (int qh = h * s->group; qh < (h + 1) * s->group; qh++) {
                 const float *qv = q + qh * head_dim;
-                __m512 sum = _mm512_mul_ps(k[0], _mm512_loadu_ps(qv));
-                for (int j = 1; j < nj; j++) sum = _mm512_fmadd_ps(k[j], _mm512_loadu_ps(qv + 16 * j), sum);
-                scores[(int64_t)qh * s->seq_len + p] = _mm512_reduce_add_ps(sum);
+                vfloat sum = k[0] * load_lanes(qv, 0);
+                for (int j = 1; j < nj; j++) sum += k[j] * load_lanes(qv + LANES * j, 0);
+                scores[(int64_t)qh * s->seq_len + p] = sum_lanes(sum);
             }
         }
     }
@@ -153,31 +178,34 @@ passes_simd(const Seq *s, const float *q, float *scores, float *acc, const int n
         for (int qh = 0; qh < s->num_kv_heads * s->group; qh++) {
             const char *head = block + (qh / s->group) * head_dim * size;
             const float *w = scores + (int64_t)qh * s->seq_len + p0;
-            __m512 a[8];
-            for (int j = 0; j < nj; j++) a[j] = _mm512_loadu_ps(acc + qh * head_dim + 16 * j);
+            vfloat a[MAX_NJ];
+            for (int j = 0; j < nj; j++) a[j] = load_lanes(acc + qh * head_dim + LANES * j, 0);
             for (int p = 0; p < n; p++) {
-                const __m512 wp = _mm512_set1_ps(w[p]);
+                const float wp = w[p];
                 for (int j = 0; j < nj; j++)
-                    a[j] = _mm512_fmadd_ps(wp, load16(head + p * row_bytes + 16 * j * size, bf16), a[j]);
+                    a[j] += wp * load_lanes(head + p * row_bytes + LANES * j * size, bf16);
             }
-            for (int j = 0; j < nj; j++) _mm512_storeu_ps(acc + qh * head_dim + 16 * j, a[j]);
+            for (int j = 0; j < nj; j++) memcpy(acc + qh * head_dim + LANES * j, &a[j], sizeof a[j]);
         }
     }
 }
-#endif
 
-/* The AVX-512 passes when this build has them and head_dim is 16, 32, ..., 128; else returns 0. */
+/* The SIMD passes when head_dim is LANES * nj, up to 128; else returns 0 (use the plain ones). */
 static int passes_simd_if_supported(const Seq *s, const float *q, float *scores, float *acc) {
-#ifdef __AVX512F__
-#define HEAD_DIM_CASE(nj) \
+#define NJ_CASE(nj) \
     case nj: s->bf16 ? passes_simd(s, q, scores, acc, nj, 1) : passes_simd(s, q, scores, acc, nj, 0); return 1;
-    if (s->head_dim % 16 == 0) {
-        switch (s->head_dim / 16) {
-            HEAD_DIM_CASE(1) HEAD_DIM_CASE(2) HEAD_DIM_CASE(3) HEAD_DIM_CASE(4)
-            HEAD_DIM_CASE(5) HEAD_DIM_CASE(6) HEAD_DIM_CASE(7) HEAD_DIM_CASE(8)
+    if (s->head_dim % LANES == 0) {
+        switch (s->head_dim / LANES) {
+            NJ_CASE(1) NJ_CASE(2) NJ_CASE(3) NJ_CASE(4) NJ_CASE(5) NJ_CASE(6) NJ_CASE(7) NJ_CASE(8)
+#if MAX_NJ >= 16
+            NJ_CASE(9) NJ_CASE(10) NJ_CASE(11) NJ_CASE(12) NJ_CASE(13) NJ_CASE(14) NJ_CASE(15) NJ_CASE(16)
+#endif
+#if MAX_NJ >= 32
+            NJ_CASE(17) NJ_CASE(18) NJ_CASE(19) NJ_CASE(20) NJ_CASE(21) NJ_CASE(22) NJ_CASE(23) NJ_CASE(24)
+            NJ_CASE(25) NJ_CASE(26) NJ_CASE(27) NJ_CASE(28) NJ_CASE(29) NJ_CASE(30) NJ_CASE(31) NJ_CASE(32)
+#endif
         }
     }
-#endif
     return 0;
 }
 
