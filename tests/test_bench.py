@@ -2,8 +2,10 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from nanoserve.bench import main as bench_main
@@ -76,3 +78,30 @@ def test_keep_freed_memory_stops_page_faults():
     unmapped = faults("mmap")
     assert unmapped > 20_000
     assert faults("tuned") < unmapped / 20
+
+
+def _huge_page_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mappings that hold `tensor`, from /proc/self/smaps (madvise splits
+    the allocation's mapping: the unaligned edges stay apart from the huge-page middle)."""
+    first = tensor.data_ptr()
+    last, total, inside = first + tensor.numel() * tensor.element_size(), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start < last and first < end
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no THP here")
+def test_kv_cache_memory_is_advised_huge_pages():
+    from nanoserve.worker import advise_huge_pages
+    cache = torch.empty(64 * 2**20 // 4)     # 64 MiB, as one layer's K of a 4 GiB pool
+    advise_huge_pages(cache)
+    cache.zero_()
+    assert _huge_page_kib(cache) >= 2048     # at least one 2 MiB page (usually all 31 inside)
