@@ -81,8 +81,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> None:
     TLB covers a few MiB); with 2 MiB pages a 64-decode attention layer of the bench model took
     2.75 instead of 3.06 ms in float32 (Zen 3). Where THP is off ("never"), or not Linux, this
     does nothing; where it is "always", the kernel already does it."""
-    libc = _libc()
-    if tensor.device.type != "cpu" or libc is None:
+    libc = _libc() if tensor.device.type == "cpu" else None
+    if libc is None:
         return
     huge, madv_hugepage = 2 * 2**20, 14    # the page size; MADV_HUGEPAGE from <sys/mman.h>
     start = tensor.data_ptr()
