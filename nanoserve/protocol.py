@@ -51,7 +51,7 @@ COMPLETION_FIELDS = {**_COMMON, "echo": "boolean", "logprobs": "integer", "promp
 CHAT_FIELDS = {**_COMMON, "messages": "array of object", "logprobs": "boolean",
                "top_logprobs": "integer", "max_completion_tokens": "integer"}
 _CHECKS = {"integer": is_int, "number": is_num, "boolean": lambda v: isinstance(v, bool),
-       "string": lambda v: isinstance(v, str), "object": lambda v: isinstance(v, dict)}
+           "string": lambda v: isinstance(v, str), "object": lambda v: isinstance(v, dict)}
 
 
 def is_type(value, kind: str) -> bool:

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,15 +37,10 @@ from rich.table import Table
 from compare_vllm import vllm_env
 from nanoserve import bench_serve
 from nanoserve.bench import cpu_description, make_checkpoint
+from nanoserve.distributed import free_port
 
 LOADS = {"poisson-2": (48, 2.0), "burst": (64, math.inf)}   # name: (requests, req/s)
 INPUT_LEN, OUTPUT_LEN = (32, 512), (32, 256)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stop(proc: subprocess.Popen) -> None:

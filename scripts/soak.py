@@ -34,8 +34,10 @@ from pathlib import Path
 
 import httpx
 
+from nanoserve.distributed import free_port
+
 sys.path.insert(0, str(Path(__file__).parent))
-from compare_serving import free_port, running  # noqa: E402  (scripts/ is not a package)
+from compare_serving import running  # noqa: E402  (scripts/ is not a package)
 
 MODEL = "nanoserve-tiny"
 BAD_BODIES = [b"{not json", b'{"model": "nanoserve-tiny", "prompt": "x", "max_tokens": -1}',
