@@ -23,8 +23,8 @@ tokens are read back through the cache like any other: one code path for all thr
 
 `store_kv` / `paged_attention` dispatch on the device: CUDA tensors go to the Triton kernels in
 paged_attention_triton.py (imported lazily, so CPU never needs Triton), everything else to the
-torch versions below, which are also the reference the kernels are tested against. On CPU, decode
-tokens go to a small C kernel (paged_attention_cpu.py) that reads the cache in place.
+torch versions below, which are also the reference the kernels are tested against. On CPU, two small
+C kernels (paged_attention_cpu.py) read the cache in place: one for decode tokens, one for the rest.
 
 Run the oracle tests (paged attention == dense scaled_dot_product_attention):
     pytest -q tests/test_paged_attention.py
@@ -89,22 +89,28 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
     @functools.cached_property
-    def decodes(self) -> "DecodeRequests":
-        """This step's decode requests (query_len 1), as the CPU kernel takes them. Computed once
-        per step, on first use: every layer's attention reads the same split."""
-        is_decode = self.query_start_loc[1:] - self.query_start_loc[:-1] == 1
-        rows = is_decode.nonzero().flatten()
-        return DecodeRequests(token_index=self.query_start_loc[rows].to(torch.int32),
-                              block_tables=self.block_tables[rows].to(torch.int32),
-                              seq_lens=self.seq_lens[rows].to(torch.int32),
-                              others=(~is_decode).nonzero().flatten().tolist())
+    def cpu_split(self) -> tuple["RequestGroup", "RequestGroup"]:
+        """(decodes, the others): this step's requests as the two CPU kernels take them. Computed
+        once per step, on first use: every layer's attention reads the same split."""
+        query_len = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        return tuple(RequestGroup.of(self, rows) for rows in (query_len == 1, query_len > 1))
 
 
-class DecodeRequests(NamedTuple):
-    token_index: Tensor   # [n] int32: each decode's row in the flat batch
-    block_tables: Tensor  # [n, max_blocks_per_req] int32
-    seq_lens: Tensor      # [n] int32
-    others: list[int]     # indices of the requests that are not decodes
+class RequestGroup(NamedTuple):
+    """Some of a step's requests, in contiguous int32 tensors (what the C kernels read)."""
+    indices: list[int]     # which of the step's requests
+    query_start: Tensor    # [n]: each one's first row in the flat batch
+    query_len: Tensor      # [n]
+    block_tables: Tensor   # [n, max_blocks_per_req]
+    seq_lens: Tensor       # [n]
+
+    @staticmethod
+    def of(md: AttentionMetadata, selected: Tensor) -> "RequestGroup":
+        rows = selected.nonzero().flatten()
+        qsl = md.query_start_loc
+        return RequestGroup(rows.tolist(), qsl[rows].to(torch.int32),
+                            (qsl[rows + 1] - qsl[rows]).to(torch.int32),
+                            md.block_tables[rows].to(torch.int32), md.seq_lens[rows].to(torch.int32))
 
 
 # ----------------------------------------------------------------------------- torch (CPU + reference)
@@ -183,16 +189,18 @@ def attend_each(query: Tensor, out: Tensor, k_cache: Tensor, v_cache: Tensor,
 def paged_attention_cpu(
     query: Tensor, k_cache: Tensor, v_cache: Tensor, attn_metadata: AttentionMetadata, scale: float
 ) -> Tensor:
-    """paged_attention_torch, except that decode tokens (query_len 1) go to the C kernel of
-    paged_attention_cpu.py when it is available: it reads their K/V in place, without the copy."""
-    from nanoserve.paged_attention_cpu import decode_attention_cpu
+    """paged_attention_torch, except that the C kernels of paged_attention_cpu.py take the decodes
+    and the other requests where they are available: they read K/V in place, without the copy.
+    Whatever a kernel does not take (not built here, a dtype it lacks) goes through the torch loop."""
+    from nanoserve.paged_attention_cpu import attention_kernel
 
-    md, out = attn_metadata, torch.empty_like(query)
-    decodes = md.decodes
-    done = decodes.token_index.numel() > 0 and decode_attention_cpu(
-        query, out, k_cache, v_cache, decodes.token_index, decodes.block_tables,
-        decodes.seq_lens, scale)
-    attend_each(query, out, k_cache, v_cache, md, scale, decodes.others if done else range(md.num_reqs))
+    out = torch.empty_like(query)
+    left: list[int] = []
+    for kernel, group in zip(("decode_attention", "prefill_attention"), attn_metadata.cpu_split):
+        if group.indices and not attention_kernel(kernel, query, out, k_cache, v_cache, group, scale):
+            left += group.indices
+    if left:
+        attend_each(query, out, k_cache, v_cache, attn_metadata, scale, left)
     return out
 
 

@@ -140,6 +140,27 @@ def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, head_dim, monkeypatc
     torch.testing.assert_close(out.float(), _dense_reference(seqs, scale), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("head_dim", [64, 42])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cpu_prefill_kernel_matches_dense(dtype, tol, head_dim, block_size, monkeypatch):
+    """The prefill kernel alone (the torch loop must not run): prompts longer than one tile of
+    query lanes, chunks behind a cached prefix that crosses blocks, a 2-token chunk, GQA."""
+    import nanoserve.paged_attention as pa
+
+    def no_torch_loop(*args):
+        raise AssertionError("a request fell back to the torch loop")
+    monkeypatch.setattr(pa, "attend_each", no_torch_loop)
+    gen = torch.Generator().manual_seed(2)
+    requests = [(0, 37), (21, 17), (0, 2), (100, 50), (7, 1)]
+    q, k, v, k_cache, v_cache, md, seqs = _build_step(requests, block_size, 3, 9, head_dim, dtype, gen)
+    store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    scale = head_dim**-0.5
+    out = paged_attention(q, k_cache, v_cache, md, scale)
+    torch.testing.assert_close(out.float(), _dense_reference(seqs, scale), atol=tol, rtol=tol)
+
+
 def test_store_kv_worked_example():
     # block_table [7, 1, 3], block_size 4: position 9 -> block 3, offset 1 -> slot 13.
     block_size, num_kv_heads, head_dim = 4, 2, 8

@@ -1,0 +1,75 @@
+/* cpu_attention.h: what both CPU attention kernels (decode_attention.c, prefill_attention.c) share:
+   bfloat16 <-> float32, a request's view of the paged cache, and the SIMD vector types.
+
+   Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
+   a request is slot block_table[p / block_size] * block_size + p % block_size.
+*/
+#pragma once
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even. */
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Row `slot` of a [num_slots, row] cache as float32: fp32 rows are used in place, bf16 rows
+   widened into `buf`. */
+static inline const float *row_f32(const void *cache, int64_t slot, int row, int bf16, float *buf) {
+    if (!bf16) return (const float *)cache + slot * row;
+    const uint16_t *src = (const uint16_t *)cache + slot * row;
+    for (int d = 0; d < row; d++) buf[d] = bf16_to_f32(src[d]);
+    return buf;
+}
+
+/* What every pass needs to find a request's cached rows. */
+typedef struct {
+    const void *k_cache, *v_cache;
+    const int32_t *table;  /* this request's block table */
+    int seq_len, block_size, num_kv_heads, group, head_dim, bf16;
+} Seq;
+
+static inline int64_t slot_of(const Seq *s, int p) {
+    return (int64_t)s->table[p / s->block_size] * s->block_size + p % s->block_size;
+}
+
+/* The vector type: as many float lanes as this CPU's widest vector register holds. */
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+typedef float vfloat __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vuint32 __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vuint16 __attribute__((vector_size(2 * LANES)));
+typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
+
+/* LANES values of a cache row from `row` as float32 (bf16: widen by shifting into the top half).
+   memcpy is how C loads an unaligned vector; it compiles to one vector load. */
+static inline vfloat load_lanes(const void *row, int bf16) {
+    vfloat v;
+    if (!bf16) {
+        memcpy(&v, row, sizeof v);
+        return v;
+    }
+    vuint16 narrow;
+    memcpy(&narrow, row, sizeof narrow);
+    vuint32 wide = __builtin_convertvector(narrow, vuint32) << 16;
+    memcpy(&v, &wide, sizeof v);
+    return v;
+}
