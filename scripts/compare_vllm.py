@@ -22,6 +22,9 @@ every run after the first finds all 64 prompts already cached and skips their pr
 runs drop from ~47 s to ~34 s in float32 here, and so do nanoserve's). The workload is meant
 to measure prompts that have to be computed, as the first run does. `--prefix-caching`
 measures the cached case, again in both engines.
+
+KV block size: each engine's own default unless `--block-size N` gives both the same (nanoserve's
+default is 16 tokens; vLLM's CPU build picks 128 on its own).
 """
 
 import argparse
@@ -44,9 +47,10 @@ from vllm.inputs import TokensPrompt
 
 def main():   # vLLM spawns its engine process, which re-imports this file: hence the guard
     spec = json.load(open(sys.argv[1]))
+    block_size = {"block_size": spec["block_size"]} if spec["block_size"] else {}
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=1024, seed=0,
               skip_tokenizer_init=True, max_num_seqs=64, max_num_batched_tokens=2048,
-              enable_prefix_caching=spec["prefix_caching"])
+              enable_prefix_caching=spec["prefix_caching"], **block_size)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in spec["output_lens"]]
@@ -95,12 +99,17 @@ def main():
     parser.add_argument("--prefix-caching", action="store_true",
                         help="keep prefix caching on in both engines: runs after the first then "
                              "find every prompt cached, and measure mostly decode")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV block size for both engines (default: each engine's own)")
     args = parser.parse_args()
     path = make_checkpoint()
     prompts, output_lens = make_workload(args.num_prompts)
     spec = {"model": str(path), "dtype": args.dtype, "prompts": prompts,
-            "output_lens": output_lens, "runs": args.runs, "prefix_caching": args.prefix_caching}
-    llm = make_bench_llm(str(path), args.dtype, enable_prefix_caching=args.prefix_caching)
+            "output_lens": output_lens, "runs": args.runs, "prefix_caching": args.prefix_caching,
+            "block_size": args.block_size}
+    block_size = {"block_size": args.block_size} if args.block_size else {}
+    llm = make_bench_llm(str(path), args.dtype, enable_prefix_caching=args.prefix_caching,
+                         **block_size)
     ours = []
     for _ in range(args.runs):
         ours.append(time_workload(llm, prompts, output_lens)["output_tok_s"])
@@ -112,7 +121,8 @@ def main():
     print(f"nanoserve GEMM paths: {gemm_paths}")
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(output_lens)} output tokens, {args.dtype}, {torch.get_num_threads()} threads, "
-          f"prefix caching {'on' if args.prefix_caching else 'off'}")
+          f"prefix caching {'on' if args.prefix_caching else 'off'}, block size "
+          f"{args.block_size or 'each engine default'}")
     print(f"nanoserve: {statistics.median(ours):7.1f} output tok/s  (runs: "
           f"{', '.join(f'{x:.1f}' for x in ours)})")
     print(f"vLLM CPU:  {statistics.median(theirs):7.1f} output tok/s  (runs: "
