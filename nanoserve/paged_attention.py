@@ -24,7 +24,7 @@ tokens are read back through the cache like any other: one code path for all thr
 `store_kv` / `paged_attention` dispatch on the device: CUDA tensors go to the Triton kernels in
 paged_attention_triton.py (imported lazily, so CPU never needs Triton), everything else to the
 torch versions below, which are also the reference the kernels are tested against. On CPU, two small
-C kernels (paged_attention_cpu.py) read the cache in place: one for decode tokens, one for the rest.
+C kernels (cpu_kernels.py) read the cache in place: one for decode tokens, one for the rest.
 
 Run the oracle tests (paged attention == dense scaled_dot_product_attention):
     pytest -q tests/test_paged_attention.py
@@ -189,10 +189,10 @@ def attend_each(query: Tensor, out: Tensor, k_cache: Tensor, v_cache: Tensor,
 def paged_attention_cpu(
     query: Tensor, k_cache: Tensor, v_cache: Tensor, attn_metadata: AttentionMetadata, scale: float
 ) -> Tensor:
-    """paged_attention_torch, except that the C kernels of paged_attention_cpu.py take the decodes
+    """paged_attention_torch, except that the C kernels of cpu_kernels.py take the decodes
     and the other requests where they are available: they read K/V in place, without the copy.
     Whatever a kernel does not take (not built here, a dtype it lacks) goes through the torch loop."""
-    from nanoserve.paged_attention_cpu import attention_kernel
+    from nanoserve.cpu_kernels import attention_kernel
 
     out = torch.empty_like(query)
     left: list[int] = []

@@ -42,7 +42,7 @@ from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models import get_model_class
 from nanoserve.models.linear import choose_cpu_gemms
 from nanoserve.paged_attention import AttentionMetadata
-from nanoserve.paged_attention_cpu import load as load_cpu_kernel
+from nanoserve.cpu_kernels import load as load_cpu_kernels
 from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
 
@@ -105,7 +105,7 @@ class ModelRunner:
         self.device = device or torch.device(resolve_device(config.device))
         if self.device.type == "cpu":
             keep_freed_memory()
-            load_cpu_kernel()  # build it (or warn) now, not in the middle of the first decode
+            load_cpu_kernels()  # build them (or warn) now, not in the middle of the first step
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.model = self._load_model()
         # On CUDA every product stays F.linear (cuBLAS): "torch" is forced, nothing is timed.

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from nanoserve.models import LlamaForCausalLM, get_model_class
+from nanoserve import cpu_kernels
 from nanoserve.models import linear
 from nanoserve.models.llama import head_dim_of, rope_parameters
 from nanoserve.paged_attention import AttentionMetadata
@@ -227,3 +228,56 @@ def test_forced_cpu_gemm_path():
     layer = linear.Linear(16, 8, bias=False)
     chosen = linear.choose_cpu_gemms([(layer, [1])], forced="torch")
     assert chosen == {"16x8 float32": "torch"} and layer.gemm is None and layer.weight is not None
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_kernel_equals_torch(dtype, rows, monkeypatch):
+    """The C RMSNorm (csrc/rms_norm.c) against the torch code it replaces (HF's order of roundings),
+    with and without the fused residual add, and the residual updated in place."""
+    from nanoserve.models import llama
+    gen = torch.Generator().manual_seed(0)
+    norm = llama.RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+    x = (3 * torch.randn(rows, 576, generator=gen)).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    with torch.inference_mode():
+        kernel_plain = norm(x)
+        kernel_out, kernel_residual = norm(x, residual.clone())
+        monkeypatch.setattr(llama, "rms_norm_cpu", lambda *args: None)   # the torch path
+        torch_plain = norm(x)
+        torch_out, torch_residual = norm(x, residual.clone())
+    # bf16: the sum of squares is added in another order, so a value may land one bf16 step away.
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+    torch.testing.assert_close(kernel_residual, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(kernel_residual, torch_residual, atol=0, rtol=0)
+    torch.testing.assert_close(kernel_plain, torch_plain, **tol)
+    torch.testing.assert_close(kernel_out, torch_out, **tol)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_kernel_equals_torch(dtype):
+    """csrc/rope.c against what it replaces: apply_rope on q and k, then store_kv, on a fused qkv
+    row of 9 query and 3 KV heads at scattered positions and slots. bf16 to the bit (the same
+    roundings); float32 within an ulp (the compiler may fuse a product and a sum)."""
+    from nanoserve.models.llama import RotaryEmbedding, apply_rope
+    from nanoserve.paged_attention import store_kv_torch
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 13
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 500, (tokens,), generator=gen)
+    slots = torch.randperm(40, generator=gen)[:tokens]
+    rope = RotaryEmbedding(head_dim, 512, {"rope_theta": 10000.0, "rope_type": "default"})(positions, dtype)
+    caches = [torch.zeros(10, 4, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+    q = cpu_kernels.rope_store_kv(qkv, rope, slots, caches[0], caches[1], heads)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q_ref = apply_rope(q_ref.reshape(tokens, heads, head_dim), rope)
+    k_ref = apply_rope(k_ref.reshape(tokens, kv_heads, head_dim), rope)
+    store_kv_torch(k_ref, v_ref.reshape(tokens, kv_heads, head_dim), caches[2], caches[3], slots)
+    tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(q, q_ref, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    torch.testing.assert_close(caches[1], caches[3], atol=0, rtol=0)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve import paged_attention_cpu
+from nanoserve import cpu_kernels
 from nanoserve.paged_attention import (
     AttentionMetadata,
     paged_attention,
@@ -118,7 +118,7 @@ def test_cpu_decode_kernel_is_built_here():
     # Without this, the tests above could pass on the torch fallback alone and never run the kernel.
     if not sys.platform.startswith("linux") or shutil.which(os.environ.get("CC", "cc")) is None:
         pytest.skip("the C decode-attention kernel needs Linux and a C compiler")
-    assert paged_attention_cpu.load() is not None
+    assert cpu_kernels.load() is not None
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -130,7 +130,7 @@ def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, head_dim, monkeypatc
     the kernel's SIMD loops on every CPU; 40 takes them with 8 lanes (AVX2) and the plain loops
     with 16 (AVX-512); 42 (no multiple of any vector width) takes the plain loops everywhere."""
     if not use_kernel:
-        monkeypatch.setattr(paged_attention_cpu, "load", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     gen = torch.Generator().manual_seed(1)
     requests = [(199, 1), (0, 9), (64, 1), (15, 1), (33, 2), (130, 1)]
     q, k, v, k_cache, v_cache, md, seqs = _build_step(requests, 16, 3, 9, head_dim, dtype, gen)
@@ -140,7 +140,7 @@ def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, head_dim, monkeypatc
     torch.testing.assert_close(out.float(), _dense_reference(seqs, scale), atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler here")
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("head_dim", [64, 42])
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -205,11 +205,11 @@ def test_metadata_shape_errors_name_the_field(field, kwargs):
         AttentionMetadata(**{**good, **kwargs})
 
 
-@pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler here")
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 def test_loading_the_cpu_kernel_keeps_subnormal_floats():
     """A library linked with -ffast-math (GCC's crtfastmath.o) would switch the whole process to
     flush-to-zero when it loads: every float below 1.2e-38 anywhere in the user's code -> 0."""
-    script = ("import torch; from nanoserve import paged_attention_cpu as k; assert k.load(); "
+    script = ("import torch; from nanoserve import cpu_kernels as k; assert k.load(); "
               "print((torch.tensor([1e-39]) * 1.0).item() != 0.0)")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "True"

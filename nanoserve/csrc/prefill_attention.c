@@ -20,7 +20,7 @@
    Worked example, LANES 4, a 6-token prompt: tiles are tokens 0-3 and 4-5 (lanes 2-3 idle);
    tile 0 reads keys 0..3 and masks key 3 for tokens 0, 1, 2, key 2 for 0, 1, key 1 for 0.
 */
-#include "cpu_attention.h"
+#include "cpu_kernels.h"
 
 enum { CHUNK = 8 }; /* key positions per step: CHUNK score vectors + one query vector in registers */
 

@@ -37,22 +37,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nanoserve.cpu_kernels import rms_norm as rms_norm_cpu, rope_store_kv as rope_store_kv_cpu
 from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models.linear import Linear
 from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
 
 
 class RMSNorm(nn.Module):
+    """HF's LlamaRMSNorm. Given a `residual`, it first adds x to it (vLLM's fused_add_rms_norm:
+    the residual stream is updated, then normalised) and returns (normalised, new residual)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 (bf16 squares lose too much), scale in the model dtype, as HF does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
+        out = rms_norm_cpu(x, residual, self.weight, self.eps)   # one C pass; None if not here
+        if out is None:
+            if residual is not None:
+                residual = x = x + residual
+            # Normalise in float32 (bf16 squares lose too much), scale in the model dtype, as HF does.
+            x32 = x.float()
+            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 def head_dim_of(cfg) -> int:
@@ -171,16 +180,20 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, rope, hidden, kv_cache: tuple[Tensor, Tensor], attn_metadata) -> Tensor:
-        n = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
-        k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
+        n, k_cache, v_cache = hidden.shape[0], *kv_cache
+        qkv = self.qkv_proj(hidden)
+        # On CPU one C pass does the rest up to attention (RoPE, store_kv); Qwen3's q/k norms go first.
+        q = None if self.qk_norm else rope_store_kv_cpu(
+            qkv, rope, attn_metadata.slot_mapping, k_cache, v_cache, self.num_heads)
+        if q is None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(n, self.num_heads, self.head_dim)
+            k = k.view(n, self.num_kv_heads, self.head_dim)
+            v = v.view(n, self.num_kv_heads, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
         out = self.o_proj(out.view(n, self.q_size))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
@@ -212,9 +225,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, rope, hidden, kv_cache, attn_metadata) -> Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden, residual, kv_cache, attn_metadata) -> tuple[Tensor, Tensor]:
+        """vLLM's layout of the residual stream: `hidden` is the previous layer's MLP output and
+        `residual` the sum before it (None in layer 0, whose input is the embedding), so each norm
+        also does the add before it: (this layer's MLP output, the residual before it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -259,11 +280,11 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"kv_caches has {len(kv_caches)} entries, the model {len(self.model.layers)} layers"
             )
-        hidden = self.embed(input_ids)
+        hidden, residual = self.embed(input_ids), None
         rope = self.model.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(rope, hidden, kv_cache, attn_metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        return self.model.norm(hidden, residual)[0]
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Vocab-parallel under TP: a rank looks up the ids in its slice, zeros the others, and

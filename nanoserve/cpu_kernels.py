@@ -1,13 +1,16 @@
-"""paged_attention_cpu.py: the CPU attention kernels (csrc/): build, load, call.
+"""cpu_kernels.py: nanoserve's small C kernels for the CPU (csrc/): build, load, call.
 
-Two kernels, both reading K/V in place through the block tables (the torch path in
-paged_attention.py first gathers each request's blocks into a contiguous copy for SDPA):
-    decode_attention.c   decode tokens (one new token per request): memory-bound, so reading the
-                         cache once is the point. On the bench model (float32, 2 cores, Zen 3) a
-                         64-request decode step spent 196 of its 305 ms in torch attention; with
-                         the kernel, 45 of 158 ms.
+Each does in one pass over memory what torch does in several, and each is tested against the torch
+code it replaces (which stays the fallback, and the only path on CUDA):
+    decode_attention.c   decode tokens (one new token per request), reading K/V in place through
+                         the block tables: memory-bound, so reading the cache once is the point (the
+                         torch path gathers each request's blocks into a copy for SDPA). On the bench
+                         model (float32, 2 cores, Zen 3) a 64-request decode step spent 196 of its
+                         305 ms in torch attention; with the kernel, 45 of 158 ms.
     prefill_attention.c  every other request (prefill, chunked prefill, prefix hit): compute-bound,
                          a flash-attention loop with the query tokens in the vector lanes.
+    rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings.
+    rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
 
 The kernels are compiled on first use with the system C compiler (`$CC`, else `cc`), with
 -march=native for this machine's vector units and OpenMP for its cores, into a cache directory
@@ -16,10 +19,10 @@ on a platform where the build fails, `load()` returns None and attention stays o
 (one warning).
 NANOSERVE_CPU_KERNEL=0 in the environment keeps them off (to compare the two paths).
 
-    from nanoserve.paged_attention_cpu import load
-    kernels = load()         # the ctypes library (kernels.decode_attention, .prefill_attention), or None
+    from nanoserve.cpu_kernels import load
+    kernels = load()         # the ctypes library (.decode_attention, .rms_norm, ...), or None
 
-Test: pytest -q tests/test_paged_attention.py   (the kernels against the torch reference)
+Tests: pytest -q tests/test_paged_attention.py tests/test_models.py   (against the torch code)
 """
 
 from __future__ import annotations
@@ -33,13 +36,14 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "decode_attention.c", CSRC / "prefill_attention.c"]
-HEADER = CSRC / "cpu_attention.h"
+SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c")]
+HEADER = CSRC / "cpu_kernels.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-Werror",
          # Vectorised dot products (float sums reassociated) and expf (glibc's vector libmvec).
          "-ffast-math"]
@@ -73,7 +77,7 @@ def load():
     # machines must not hand one machine's build to another, so the CPU's flags are in the key.
     key = hashlib.sha256(source + " ".join([compiler] + FLAGS + LINK_FLAGS).encode()
                          + _cpu_flags()).hexdigest()[:16]
-    library = cache_dir() / f"cpu_attention-{key}.so"
+    library = cache_dir() / f"cpu_kernels-{key}.so"
     try:
         if not library.is_file():
             library.parent.mkdir(parents=True, exist_ok=True)
@@ -89,16 +93,26 @@ def load():
         kernels = ctypes.CDLL(str(library))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or e
-        warnings.warn(f"nanoserve: the CPU attention kernels could not be built ({detail}); "
-                      f"using the slower torch path")
+        warnings.warn(f"nanoserve: the CPU kernels could not be built ({detail}); "
+                      f"using the slower torch paths")
         return None
-    # Both take: query, out, k_cache, v_cache, then their int32 arrays, then the sizes, scale,
-    # bf16 and the thread count.
+    # The attention kernels take: query, out, k_cache, v_cache, then their int32 arrays, then the
+    # sizes, scale, bf16 and the thread count.
     for fn, arrays, sizes in ((kernels.decode_attention, 3, 6), (kernels.prefill_attention, 4, 6)):
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * (4 + arrays) + [ctypes.c_int] * sizes + [ctypes.c_float]
                        + [ctypes.c_int] * 2)
+    kernels.rms_norm.restype = None
+    kernels.rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
+    kernels.rope_store_kv.restype = None
+    kernels.rope_store_kv.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6
     return kernels
+
+
+def _takes(*tensors: Tensor) -> bool:
+    """Whether the kernels can read these tensors: on the CPU, contiguous, all float32 or all bf16."""
+    return (tensors[0].device.type == "cpu" and tensors[0].dtype in (torch.float32, torch.bfloat16)
+            and all(t.dtype == tensors[0].dtype and t.is_contiguous() for t in tensors))
 
 
 def attention_kernel(name: str, query: Tensor, out: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -108,9 +122,7 @@ def attention_kernel(name: str, query: Tensor, out: Tensor, k_cache: Tensor, v_c
     kernels are unavailable, the tensors are outside what they support, or a kernel ran out of
     memory; the caller then uses the torch path for those requests."""
     kernels = load()
-    if (kernels is None or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16)
-            or k_cache.dtype != query.dtype or not (query.is_contiguous() and k_cache.is_contiguous()
-                                                   and v_cache.is_contiguous() and out.is_contiguous())):
+    if kernels is None or not _takes(query, out, k_cache, v_cache):
         return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     # A decode's one token is at its query_start; the prefill kernel also needs the lengths.
@@ -123,3 +135,36 @@ def attention_kernel(name: str, query: Tensor, out: Tensor, k_cache: Tensor, v_c
         block_size, num_kv_heads, query.shape[1] // num_kv_heads, head_dim, scale,
         int(query.dtype == torch.bfloat16), torch.get_num_threads())
     return status == 0
+
+
+def rms_norm(x: Tensor, residual: Optional[Tensor], weight: Tensor, eps: float) -> Optional[Tensor]:
+    """rms_norm.c: RMSNorm of x over its last dimension, or of x + residual when a residual is
+    given (the residual is then updated in place to that sum, as vLLM's fused_add_rms_norm does).
+    None where the kernel cannot run here; the caller then uses torch."""
+    kernels = load()
+    if kernels is None or not _takes(x, weight, *([] if residual is None else [residual])):
+        return None
+    out = torch.empty_like(x)
+    kernels.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                     weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps,
+                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def rope_store_kv(qkv: Tensor, rope: tuple[Tensor, Tensor], slot_mapping: Tensor, k_cache: Tensor,
+                  v_cache: Tensor, num_heads: int) -> Optional[Tensor]:
+    """rope.c: from the fused qkv rows [tokens, (heads + 2 kv_heads) * head_dim], RoPE on q and k
+    (`rope`: the step's cos, sin, as RotaryEmbedding gives them), k and v written into the caches at
+    `slot_mapping`. Returns q rotated [tokens, heads, head_dim], or None where the kernel cannot
+    run here (the caller then does it in torch)."""
+    kernels = load()
+    cos, sin = rope
+    if kernels is None or not _takes(qkv, cos, sin, k_cache, v_cache):
+        return None
+    num_tokens, (_, _, num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
+    kernels.rope_store_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(),
+                          q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_tokens,
+                          num_heads, num_kv_heads, head_dim, int(qkv.dtype == torch.bfloat16),
+                          torch.get_num_threads())
+    return q

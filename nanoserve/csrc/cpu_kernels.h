@@ -1,4 +1,4 @@
-/* cpu_attention.h: what both CPU attention kernels (decode_attention.c, prefill_attention.c) share:
+/* cpu_kernels.h: what the CPU kernels (decode_attention.c, prefill_attention.c, rms_norm.c) share:
    bfloat16 <-> float32, a request's view of the paged cache, and the SIMD vector types.
 
    Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
@@ -22,8 +22,9 @@ static inline float bf16_to_f32(uint16_t x) {
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t nearest_even = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : nearest_even); /* NaN stays NaN; no
+                                                       branch, so loops over it vectorise */
 }
 
 /* Row `slot` of a [num_slots, row] cache as float32: fp32 rows are used in place, bf16 rows

@@ -1,0 +1,60 @@
+/* rms_norm.c: RMSNorm on CPU with the residual add before it fused in (vLLM's fused_add_rms_norm).
+
+   Built and loaded with the attention kernels by nanoserve/cpu_kernels.py. Why C: in torch the
+   add and the norm are seven elementwise ops (add, pow, mean, add, rsqrt, mul, mul), each a pass
+   over the rows and, in a decode step of a few rows, each mostly dispatch overhead; here they are
+   one pass per row, twice per layer.
+
+   The numbers are HF's (LlamaRMSNorm), so greedy output still matches transformers:
+       residual = dtype(x + residual)                       (when a residual is given)
+       out      = dtype(weight * dtype(r * rsqrt(mean(r^2) + eps)))   in float32, r = residual
+   i.e. normalised in float32, rounded to the model dtype, then multiplied by the weight and rounded
+   again (for float32 models both roundings are nothing).
+
+   Worked example, dim 2, eps 0, weight [1, 2], x [3, 4], no residual: mean(r^2) = 12.5,
+   rsqrt = 0.2828, out = [0.8485, 2.2627].
+*/
+#include "cpu_kernels.h"
+
+static inline float load_f32(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* What storing v into a tensor of the model dtype keeps of it. */
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void store(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* One row; inlined into a float32 and a bf16 copy (`bf16` a constant), each vectorised. */
+static inline __attribute__((always_inline)) void
+norm_row(const void *x, void *residual, const void *weight, void *out, int64_t base, int dim,
+         float eps, const int bf16, float *row) {
+    float squares = 0.f;
+    for (int d = 0; d < dim; d++) {
+        float v = load_f32(x, base + d, bf16);
+        if (residual) {
+            v = rounded(v + load_f32(residual, base + d, bf16), bf16);
+            store(residual, base + d, v, bf16);
+        }
+        row[d] = v;
+        squares += v * v;
+    }
+    const float inverse_rms = 1.f / sqrtf(squares / dim + eps);
+    for (int d = 0; d < dim; d++)
+        store(out, base + d, load_f32(weight, d, bf16) * rounded(row[d] * inverse_rms, bf16), bf16);
+}
+
+/* rows x dim, contiguous. residual may be NULL (then x is normalised as it is); otherwise it is
+   updated in place to x + residual, and that is what is normalised. */
+void rms_norm(const void *x, void *residual, const void *weight, void *out, int rows, int dim,
+              float eps, int bf16, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int r = 0; r < rows; r++) {
+        float row[dim];
+        if (bf16) norm_row(x, residual, weight, out, (int64_t)r * dim, dim, eps, 1, row);
+        else norm_row(x, residual, weight, out, (int64_t)r * dim, dim, eps, 0, row);
+    }
+}

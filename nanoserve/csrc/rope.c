@@ -1,0 +1,74 @@
+/* rope.c: RoPE on the fused q/k/v rows, and k and v written straight into the paged KV cache.
+
+   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why C: in torch this is
+   apply_rope on q and on k (split, four products, a subtraction, an addition and a concatenation
+   each) and store_kv's two index copies: some twenty ops a layer, in a decode step mostly dispatch
+   overhead. Here it is one pass over each token's qkv row.
+
+   The numbers are the torch path's (models/llama.py:apply_rope, HF's layout: dim i pairs with
+   dim i + head_dim / 2), with the same roundings to the model dtype after every product and sum:
+       out[i]            = x[i] * cos[i] - x[i + half] * sin[i]
+       out[i + half]     = x[i + half] * cos[i] + x[i] * sin[i]
+   cos and sin are the step's per-token tables, already in the model dtype (RotaryEmbedding).
+   Token t's k and v go to cache slot slot_mapping[t] (design §5), q to row t of q_out.
+*/
+#include "cpu_kernels.h"
+
+/* The helpers are inlined into a float32 and a bf16 copy of the loop (`bf16` a constant there), so
+   the compiler can vectorise each. */
+static inline float value(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void put(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* Rotate one head: head_dim values from `src` into `dst`. restrict: the compiler may then vectorise
+   without checking for overlap (q_out and the caches never overlap qkv). */
+static inline __attribute__((always_inline)) void
+rotate(const void *restrict src, void *restrict dst, const void *restrict cos,
+       const void *restrict sin, int half, const int bf16) {
+    for (int i = 0; i < half; i++) {
+        const float x1 = value(src, i, bf16), x2 = value(src, half + i, bf16);
+        const float c = value(cos, i, bf16), s = value(sin, i, bf16);
+        put(dst, i, rounded(x1 * c, bf16) - rounded(x2 * s, bf16), bf16);
+        put(dst, half + i, rounded(x2 * c, bf16) + rounded(x1 * s, bf16), bf16);
+    }
+}
+
+/* One token: its q heads into q_out, k and v into their cache slot. */
+static inline __attribute__((always_inline)) void
+rope_token(const char *src, const char *cos, const char *sin, char *q, char *k, char *v,
+           int num_heads, int num_kv_heads, int head_dim, const int bf16) {
+    const int size = bf16 ? 2 : 4, bytes = head_dim * size;
+    for (int h = 0; h < num_heads; h++) rotate(src + h * bytes, q + h * bytes, cos, sin, head_dim / 2, bf16);
+    for (int h = 0; h < num_kv_heads; h++)
+        rotate(src + (num_heads + h) * bytes, k + h * bytes, cos, sin, head_dim / 2, bf16);
+    memcpy(v, src + (num_heads + num_kv_heads) * bytes, (size_t)num_kv_heads * bytes);
+}
+
+/* qkv: [num_tokens][(num_heads + 2 * num_kv_heads) * head_dim], q then k then v heads; cos, sin:
+   [num_tokens][head_dim / 2]; q_out: [num_tokens][num_heads * head_dim]; caches: [slots][num_kv_heads
+   * head_dim]. */
+void rope_store_kv(const void *qkv, const void *cos, const void *sin, const int64_t *slot_mapping,
+                   void *q_out, void *k_cache, void *v_cache, int num_tokens, int num_heads,
+                   int num_kv_heads, int head_dim, int bf16, int num_threads) {
+    const int64_t size = bf16 ? 2 : 4, row = (num_heads + 2 * num_kv_heads) * head_dim * size;
+    const int64_t q_row = num_heads * head_dim * size, kv_row = num_kv_heads * head_dim * size;
+    const int64_t table_row = head_dim / 2 * size;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int t = 0; t < num_tokens; t++) {
+        /* The bf16 test inside the loop: the parallel body is a function of its own, and only a
+           constant argument there gives the compiler its two vectorised copies. */
+        const char *src = (const char *)qkv + t * row, *c = (const char *)cos + t * table_row;
+        const char *s = (const char *)sin + t * table_row;
+        char *q = (char *)q_out + t * q_row, *k = (char *)k_cache + slot_mapping[t] * kv_row;
+        char *v = (char *)v_cache + slot_mapping[t] * kv_row;
+        if (bf16) rope_token(src, c, s, q, k, v, num_heads, num_kv_heads, head_dim, 1);
+        else rope_token(src, c, s, q, k, v, num_heads, num_kv_heads, head_dim, 0);
+    }
+}
