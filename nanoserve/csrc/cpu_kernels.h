@@ -27,6 +27,20 @@ static inline uint16_t f32_to_bf16(float f) {
                                                        branch, so loops over it vectorise */
 }
 
+/* Element i of a float32 or bf16 array as float32, and back: what storing v in the model dtype
+   keeps of it (`rounded`). Loops over these are written once for both dtypes and inlined with
+   `bf16` a constant, so each copy vectorises. */
+static inline float value_at(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline void store_at(void *p, int64_t i, float v, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
 /* Row `slot` of a [num_slots, row] cache as float32: fp32 rows are used in place, bf16 rows
    widened into `buf`. */
 static inline const float *row_f32(const void *cache, int64_t slot, int row, int bf16, float *buf) {

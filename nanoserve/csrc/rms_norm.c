@@ -16,35 +16,23 @@
 */
 #include "cpu_kernels.h"
 
-static inline float load_f32(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-/* What storing v into a tensor of the model dtype keeps of it. */
-static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-static inline void store(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
 /* One row; inlined into a float32 and a bf16 copy (`bf16` a constant), each vectorised. */
 static inline __attribute__((always_inline)) void
 norm_row(const void *x, void *residual, const void *weight, void *out, int64_t base, int dim,
          float eps, const int bf16, float *row) {
     float squares = 0.f;
     for (int d = 0; d < dim; d++) {
-        float v = load_f32(x, base + d, bf16);
+        float v = value_at(x, base + d, bf16);
         if (residual) {
-            v = rounded(v + load_f32(residual, base + d, bf16), bf16);
-            store(residual, base + d, v, bf16);
+            v = rounded(v + value_at(residual, base + d, bf16), bf16);
+            store_at(residual, base + d, v, bf16);
         }
         row[d] = v;
         squares += v * v;
     }
     const float inverse_rms = 1.f / sqrtf(squares / dim + eps);
     for (int d = 0; d < dim; d++)
-        store(out, base + d, load_f32(weight, d, bf16) * rounded(row[d] * inverse_rms, bf16), bf16);
+        store_at(out, base + d, value_at(weight, d, bf16) * rounded(row[d] * inverse_rms, bf16), bf16);
 }
 
 /* rows x dim, contiguous. residual may be NULL (then x is normalised as it is); otherwise it is

@@ -14,29 +14,16 @@
 */
 #include "cpu_kernels.h"
 
-/* The helpers are inlined into a float32 and a bf16 copy of the loop (`bf16` a constant there), so
-   the compiler can vectorise each. */
-static inline float value(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline float rounded(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-static inline void put(void *p, int64_t i, float v, int bf16) {
-    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else ((float *)p)[i] = v;
-}
-
 /* Rotate one head: head_dim values from `src` into `dst`. restrict: the compiler may then vectorise
    without checking for overlap (q_out and the caches never overlap qkv). */
 static inline __attribute__((always_inline)) void
 rotate(const void *restrict src, void *restrict dst, const void *restrict cos,
        const void *restrict sin, int half, const int bf16) {
     for (int i = 0; i < half; i++) {
-        const float x1 = value(src, i, bf16), x2 = value(src, half + i, bf16);
-        const float c = value(cos, i, bf16), s = value(sin, i, bf16);
-        put(dst, i, rounded(x1 * c, bf16) - rounded(x2 * s, bf16), bf16);
-        put(dst, half + i, rounded(x2 * c, bf16) + rounded(x1 * s, bf16), bf16);
+        const float x1 = value_at(src, i, bf16), x2 = value_at(src, half + i, bf16);
+        const float c = value_at(cos, i, bf16), s = value_at(sin, i, bf16);
+        store_at(dst, i, rounded(x1 * c, bf16) - rounded(x2 * s, bf16), bf16);
+        store_at(dst, half + i, rounded(x2 * c, bf16) + rounded(x1 * s, bf16), bf16);
     }
 }
 
