@@ -15,7 +15,7 @@ code it replaces (which stays the fallback, and the only path on CUDA):
 The kernels are compiled on first use with the system C compiler (`$CC`, else `cc`), with
 -march=native for this machine's vector units and OpenMP for its cores, into a cache directory
 keyed by the source, the flags and the CPU; later processes just load it. Without a compiler, or
-on a platform where the build fails, `load()` returns None and attention stays on the torch path
+on a platform where the build fails, `load()` returns None and every caller keeps its torch path
 (one warning).
 NANOSERVE_CPU_KERNEL=0 in the environment keeps them off (to compare the two paths).
 

@@ -117,7 +117,7 @@ def test_paged_attention_bfloat16(attention):
 def test_cpu_decode_kernel_is_built_here():
     # Without this, the tests above could pass on the torch fallback alone and never run the kernel.
     if not sys.platform.startswith("linux") or shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("the C decode-attention kernel needs Linux and a C compiler")
+        pytest.skip("the C kernels need Linux and a C compiler")
     assert cpu_kernels.load() is not None
 
 

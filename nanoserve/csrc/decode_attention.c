@@ -1,6 +1,6 @@
 /* decode_attention.c: paged attention for decode tokens on CPU, reading K/V straight from the cache.
 
-   Built and loaded by nanoserve/paged_attention_cpu.py (cc -O3 -march=native -fopenmp, then ctypes).
+   Built and loaded by nanoserve/cpu_kernels.py (cc -O3 -march=native -fopenmp, then ctypes).
    Why C: a decode token reads its request's whole cached K and V once per layer, and on CPU that
    read is the cost (memory-bound). In torch, the blocks must first be gathered into a contiguous
    copy for SDPA, which reads the cache, writes the copy, and reads the copy again: three passes
@@ -20,7 +20,7 @@
    instead of 81 ms in attention in float32, 44 instead of 67 in bfloat16 on an AVX-512 machine
    (30 layers, ~22k cached tokens; reading them at full memory speed takes ~42 / ~21).
 
-   The cache layout and the helpers both kernels use: cpu_kernels.h.
+   The cache layout and the helpers the CPU kernels share: cpu_kernels.h.
 */
 #include "cpu_kernels.h"
 

@@ -1,7 +1,7 @@
 /* prefill_attention.c: paged causal attention on CPU for requests with several new tokens
    (prefills, chunked prefills, prefix-cache hits), reading K/V straight from the cache.
 
-   Built and loaded with decode_attention.c by nanoserve/paged_attention_cpu.py. Why C: torch's
+   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why C: torch's
    path gathers each request's blocks into a copy and calls SDPA per request, which on the bench
    model ran at ~40 GFLOP/s in float32 where the same cores multiply matrices at ~230.
 
@@ -66,9 +66,7 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
     for (int d = 0; d < hd; d++) qt[d] = ot[d] = splat(0.f);
     for (int r = 0; r < rows; r++) {
         const int64_t at = (row0 + r) * q_row + qh * hd;
-        for (int d = 0; d < hd; d++)
-            qt[d][r] = scale * (s->bf16 ? bf16_to_f32(((const uint16_t *)query)[at + d])
-                                        : ((const float *)query)[at + d]);
+        for (int d = 0; d < hd; d++) qt[d][r] = scale * value_at(query, at + d, s->bf16);
     }
     vint32 position = {0};
     for (int r = 0; r < LANES; r++) position[r] = first + r;
@@ -108,11 +106,7 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
     const vfloat inverse = 1.f / total;
     for (int d = 0; d < hd; d++) {
         const vfloat o = ot[d] * inverse;
-        for (int r = 0; r < rows; r++) {
-            const int64_t at = (row0 + r) * q_row + qh * hd + d;
-            if (s->bf16) ((uint16_t *)out)[at] = f32_to_bf16(o[r]);
-            else ((float *)out)[at] = o[r];
-        }
+        for (int r = 0; r < rows; r++) store_at(out, (row0 + r) * q_row + qh * hd + d, o[r], s->bf16);
     }
 }
 
