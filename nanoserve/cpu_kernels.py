@@ -11,6 +11,7 @@ code it replaces (which stays the fallback, and the only path on CUDA):
                          a flash-attention loop with the query tokens in the vector lanes.
     rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings.
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
+    silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads.
 
 The kernels are compiled on first use with the system C compiler (`$CC`, else `cc`), with
 -march=native for this machine's vector units and OpenMP for its cores, into a cache directory
@@ -42,7 +43,8 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c")]
+SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c",
+                                     "silu_and_mul.c")]
 HEADER = CSRC / "cpu_kernels.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-Werror",
          # Vectorised dot products (float sums reassociated) and expf (glibc's vector libmvec).
@@ -106,6 +108,8 @@ def load():
     kernels.rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
     kernels.rope_store_kv.restype = None
     kernels.rope_store_kv.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6
+    kernels.silu_and_mul.restype = None
+    kernels.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     return kernels
 
 
@@ -168,3 +172,16 @@ def rope_store_kv(qkv: Tensor, rope: tuple[Tensor, Tensor], slot_mapping: Tensor
                           num_heads, num_kv_heads, head_dim, int(qkv.dtype == torch.bfloat16),
                           torch.get_num_threads())
     return q
+
+
+def silu_and_mul(gate_up: Tensor) -> Optional[Tensor]:
+    """silu_and_mul.c: silu(gate) * up from the fused gate_up rows [tokens, 2 * intermediate]
+    (gate first), as a new contiguous [tokens, intermediate] tensor. None where the kernel cannot
+    run here; the caller then uses torch."""
+    kernels = load()
+    if kernels is None or not _takes(gate_up):
+        return None
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    kernels.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
+                         int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
+    return out

@@ -259,6 +259,38 @@ def test_rms_norm_kernel_equals_torch(dtype, rows, monkeypatch):
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_silu_and_mul_kernel_equals_torch(dtype, rows, monkeypatch):
+    """csrc/silu_and_mul.c through LlamaMLP against the torch code it replaces (HF's
+    act_fn(gate) * up, with its roundings): float32 within an ulp or two (the C expf is not
+    torch's); bf16 mostly to the bit, and where silu(gate) lands on a rounding edge one bf16 step
+    away, which the product's own rounding can make two."""
+    from nanoserve.models import llama
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (4 * torch.randn(rows, 2 * 1536, generator=gen)).to(dtype)
+    kernel = cpu_kernels.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert kernel.is_contiguous() and kernel.shape == (rows, 1536)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-6)
+    torch.testing.assert_close(kernel, expected, **tol)
+    assert (kernel == expected).float().mean() > (0.4 if dtype == torch.float32 else 0.99)
+    # And inside the MLP: the kernel's path equals the torch fallback's.
+    cfg = SimpleNamespace(hidden_act="silu", hidden_size=64, intermediate_size=96)
+    mlp = llama.LlamaMLP(cfg, llama.SINGLE).to(dtype)
+    for w in (mlp.gate_up_proj.weight, mlp.down_proj.weight):
+        w.data.copy_(torch.randn(w.shape, generator=gen) / 8)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
+    with torch.inference_mode():
+        with_kernel = mlp(x)
+        monkeypatch.setattr(llama, "silu_and_mul_cpu", lambda gate_up: None)
+        with_torch = mlp(x)
+    torch.testing.assert_close(with_kernel, with_torch, **(tol if dtype == torch.float32
+                                                            else dict(atol=2e-2, rtol=2e-2)))
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_kv_kernel_equals_torch(dtype):
     """csrc/rope.c against what it replaces: apply_rope on q and k, then store_kv, on a fused qkv
     row of 9 query and 3 KV heads at scattered positions and slots. bf16 to the bit (the same

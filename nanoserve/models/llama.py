@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.cpu_kernels import rms_norm as rms_norm_cpu, rope_store_kv as rope_store_kv_cpu
+from nanoserve.cpu_kernels import (rms_norm as rms_norm_cpu, rope_store_kv as rope_store_kv_cpu,
+                                   silu_and_mul as silu_and_mul_cpu)
 from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models.linear import Linear
 from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
@@ -210,10 +211,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias and tp.rank == 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place on the fused product (ours to overwrite): a 2048-token prefill then makes no
-        # new [tokens, intermediate] activations here; down_proj reads the strided view as is.
-        out = self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        hidden = silu_and_mul_cpu(gate_up)   # one C pass; None if not here
+        if hidden is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        out = self.down_proj(hidden)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 

@@ -1,0 +1,34 @@
+/* silu_and_mul.c: the MLP's activation on CPU, silu(gate) * up, from the fused gate_up product
+   into a new contiguous tensor (vLLM's silu_and_mul).
+
+   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why C: in torch this is
+   two passes over the gate half of the [tokens, 2 * intermediate] product (silu in place, then the
+   multiply), and down_proj then reads a strided view; here it is one pass that reads gate and up
+   once and writes the contiguous [tokens, intermediate] rows down_proj multiplies fastest.
+
+   The numbers are HF's: silu(g) = g / (1 + e^-g) in float32, rounded to the model dtype, then the
+   product with up rounded again (for float32 models both roundings are nothing).
+
+   Worked example, intermediate 2, one token, gate_up [0, 2, 3, 4]: silu(0) = 0, silu(2) = 1.7616,
+   out = [0 * 3, 1.7616 * 4] = [0, 7.0464].
+*/
+#include "cpu_kernels.h"
+
+/* One row; inlined into a float32 and a bf16 copy (`bf16` a constant), each vectorised. */
+static inline __attribute__((always_inline)) void
+activate_row(const void *gate_up, void *out, int64_t row, int dim, const int bf16) {
+    for (int d = 0; d < dim; d++) {
+        const float gate = value_at(gate_up, row * 2 * dim + d, bf16);
+        const float up = value_at(gate_up, row * 2 * dim + dim + d, bf16);
+        store_at(out, row * dim + d, rounded(gate / (1.f + expf(-gate)), bf16) * up, bf16);
+    }
+}
+
+/* gate_up: rows x (2 * dim), contiguous, gate first; out: rows x dim. */
+void silu_and_mul(const void *gate_up, void *out, int rows, int dim, int bf16, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int r = 0; r < rows; r++) {
+        if (bf16) activate_row(gate_up, out, r, dim, 1);
+        else activate_row(gate_up, out, r, dim, 0);
+    }
+}
