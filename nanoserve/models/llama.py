@@ -37,8 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve.cpu_kernels import (rms_norm as rms_norm_cpu, rope_store_kv as rope_store_kv_cpu,
-                                   silu_and_mul as silu_and_mul_cpu)
+from nanoserve import cpu_kernels
 from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models.linear import Linear
 from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
@@ -54,7 +53,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, residual: Optional[Tensor] = None):
-        out = rms_norm_cpu(x, residual, self.weight, self.eps)   # one C pass; None if not here
+        out = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)   # one C pass; None if not here
         if out is None:
             if residual is not None:
                 residual = x = x + residual
@@ -184,7 +183,7 @@ class LlamaAttention(nn.Module):
         n, k_cache, v_cache = hidden.shape[0], *kv_cache
         qkv = self.qkv_proj(hidden)
         # On CPU one C pass does the rest up to attention (RoPE, store_kv); Qwen3's q/k norms go first.
-        q = None if self.qk_norm else rope_store_kv_cpu(
+        q = None if self.qk_norm else cpu_kernels.rope_store_kv(
             qkv, rope, attn_metadata.slot_mapping, k_cache, v_cache, self.num_heads)
         if q is None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -212,7 +211,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        hidden = silu_and_mul_cpu(gate_up)   # one C pass; None if not here
+        hidden = cpu_kernels.silu_and_mul(gate_up)   # one C pass; None if not here
         if hidden is None:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
