@@ -12,6 +12,8 @@ code it replaces (which stays the fallback, and the only path on CUDA):
     rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings.
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
     silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads.
+    argmax.c             each row's argmax (greedy sampling), vectorised, where torch's goes one
+                         float at a time (64 x 49k logits: ~2.7 ms, against ~0.1 to read them).
 
 The kernels are compiled on first use with the system C compiler (`$CC`, else `cc`), with
 -march=native for this machine's vector units and OpenMP for its cores, into a cache directory
@@ -44,7 +46,7 @@ from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c",
-                                     "silu_and_mul.c")]
+                                     "silu_and_mul.c", "argmax.c")]
 HEADER = CSRC / "cpu_kernels.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-Werror",
          # Vectorised dot products (float sums reassociated) and expf (glibc's vector libmvec).
@@ -110,6 +112,8 @@ def load():
     kernels.rope_store_kv.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6
     kernels.silu_and_mul.restype = None
     kernels.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
+    kernels.argmax.restype = None
+    kernels.argmax.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
     return kernels
 
 
@@ -184,4 +188,15 @@ def silu_and_mul(gate_up: Tensor) -> Optional[Tensor]:
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     kernels.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1],
                          int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def argmax(x: Tensor) -> Tensor:
+    """argmax.c: x.argmax(dim=-1) for a float32 [rows, n] tensor, the same indices (first
+    maximum; a NaN beats every number). Falls back to torch where the kernel cannot run."""
+    kernels = load()
+    if kernels is None or x.dim() != 2 or x.shape[1] == 0 or not _takes(x) or x.dtype != torch.float32:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    kernels.argmax(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out

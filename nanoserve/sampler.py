@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from nanoserve import cpu_kernels
 from nanoserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -243,16 +244,18 @@ class Sampler:
             raise ValueError(f"logits must have shape [{md.num_rows}, {md.vocab_size}] "
                              f"(got {list(logits.shape)})")
         raw_logits = logits
-        # A float32 copy: the stages below work in place, the raw logits feed the logprobs.
-        logits = logits.to(torch.float32, copy=True)
+        # A float32 copy where a stage below works in place (the raw logits feed the logprobs);
+        # all-greedy rows with no min_tokens or frequency penalty read the raw logits as they are.
+        in_place = not md.all_greedy or md.min_tokens_rows is not None or md.frequency_penalty is not None
+        logits = logits.to(torch.float32, copy=in_place)
         if md.min_tokens_rows is not None:
             logits[md.min_tokens_rows, md.min_tokens_token_ids] = _NEG_INF
         logits = apply_penalties(logits, md)
 
         if md.all_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = cpu_kernels.argmax(logits)
         else:
-            greedy_ids = logits.argmax(dim=-1) if md.greedy is not None else None
+            greedy_ids = cpu_kernels.argmax(logits) if md.greedy is not None else None
             if md.temperature is not None:
                 logits.div_(md.temperature[:, None])
             if md.min_p is not None:
@@ -281,7 +284,7 @@ class Sampler:
         q = q.neg_().log1p_().neg_()
         # The noise may be exactly 0; then 0 / 0 = NaN would let a masked token win.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return probs.div_(q).argmax(dim=-1)
+        return cpu_kernels.argmax(probs.div_(q))
 
 
 def _logprobs(raw_logits: Tensor, sampled: Tensor,

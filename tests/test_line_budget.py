@@ -8,9 +8,9 @@ MAX_LINES_PER_FILE = 400
 # 5,000 until this round's capabilities needed room of their own: the CPU GEMM paths
 # (models/linear.py: oneDNN packing chosen by timing at start-up), the serving benchmark client
 # (bench_serve.py), the engine core in its own process (core_client.py, engine_core.py) and
-# tensor parallel. 6,500 -> 6,600 for the CPU kernels' Python side (cpu_kernels.py calls five C
+# tensor parallel. 6,500 -> 6,600 for the CPU kernels' Python side (cpu_kernels.py calls six C
 # kernels now: prefill attention, RMSNorm with the residual add, RoPE with store_kv, silu_and_mul,
-# beside decode attention; the C itself is not counted) and vLLM's residual layout in llama.py.
+# the greedy argmax, beside decode attention; the C itself is not counted) and vLLM's residual layout in llama.py.
 MAX_LINES_TOTAL = 6600
 
 

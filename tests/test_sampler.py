@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from nanoserve import cpu_kernels
 from nanoserve.sampler import Sampler, SamplingMetadata, apply_penalties
 from nanoserve.sampling_params import SamplingParams
 
@@ -133,6 +134,38 @@ def test_temperature_zero_is_argmax_alone_and_mixed():
     for batch in ([penalised], [penalised, SamplingParams()]):
         md = metadata(batch, outputs=[[1]] * len(batch))
         assert Sampler()(row.repeat(len(batch), 1), md).sampled_token_ids[0].item() == 2
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 31, 32, 33, 100, 49152])
+def test_argmax_kernel_equals_torch(n):
+    """csrc/argmax.c against torch's argmax: the first maximum on ties, a NaN beats everything
+    (the first NaN wins), +-inf, wherever they sit against the vector width and the tail."""
+    gen = torch.Generator().manual_seed(n)
+    rows = [torch.randn(n, generator=gen), torch.randint(0, 3, (n,), generator=gen).float(),
+            torch.full((n,), float("-inf")), torch.zeros(n)]
+    for pos in sorted({p for p in (0, 1, n // 2, n - 2, n - 1) if 0 <= p < n}):
+        for special in (float("nan"), float("inf"), float("-inf")):
+            row = torch.randn(n, generator=gen)
+            row[pos] = special
+            rows.append(row)
+        two_nans = torch.randn(n, generator=gen)
+        two_nans[pos], two_nans[-1] = float("nan"), float("nan")
+        rows.append(two_nans)
+    x = torch.stack(rows)
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax(x[:1]), x[:1].argmax(dim=-1))
+
+
+def test_greedy_sampling_leaves_the_logits_as_they_were():
+    """The all-greedy path reads the logits without its float32 copy: nothing may write to them."""
+    logits = torch.randn(3, V)
+    before = logits.clone()
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, min_tokens=2,
+                                                                   stop_token_ids=[1]),
+                   SamplingParams(temperature=0.0, frequency_penalty=1.0, repetition_penalty=1.5)):
+        Sampler()(logits, metadata([params] * 3, outputs=[[1, 2]] * 3))
+        assert torch.equal(logits, before), params
 
 
 def test_all_greedy_batch_draws_no_noise():

@@ -1,5 +1,5 @@
 /* cpu_kernels.h: what the CPU kernels (decode_attention.c, prefill_attention.c, rms_norm.c, rope.c,
-   silu_and_mul.c) share: bfloat16 <-> float32, a request's view of the paged cache, and the SIMD
+   silu_and_mul.c, argmax.c) share: bfloat16 <-> float32, a request's view of the paged cache, and the SIMD
    vector types.
 
    Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
@@ -74,6 +74,13 @@ typedef float vfloat __attribute__((vector_size(4 * LANES)));
 typedef uint32_t vuint32 __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vuint16 __attribute__((vector_size(2 * LANES)));
 typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
+
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
+
+/* Lane by lane, mask (all ones or zero, as a vector compare gives) ? yes : no. */
+static inline vfloat select_lanes(vint32 mask, vfloat yes, vfloat no) {
+    return (vfloat)((mask & (vint32)yes) | (~mask & (vint32)no));
+}
 
 /* LANES values of a cache row from `row` as float32 (bf16: widen by shifting into the top half).
    memcpy is how C loads an unaligned vector; it compiles to one vector load. */
