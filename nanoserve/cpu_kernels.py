@@ -13,7 +13,7 @@ code it replaces (which stays the fallback, and the only path on CUDA):
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
     silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads.
     argmax.c             each row's argmax (greedy sampling), vectorised, where torch's goes one
-                         float at a time (64 x 49k logits: ~2.7 ms, against ~0.1 to read them).
+                         float at a time (64 rows of 49k logits, Zen 4: ~0.25 ms against ~2.7).
 
 The kernels are compiled on first use with the system C compiler (`$CC`, else `cc`), with
 -march=native for this machine's vector units and OpenMP for its cores, into a cache directory
