@@ -23,17 +23,14 @@ static int64_t argmax_row(const float *x, int64_t n) {
     float best_value = n ? x[0] : 0.f;
     if (n >= LANES) {
         vfloat max_value;
-        vint32 at, index;
-        vuint32 u;
+        vint32 at, index, nan = (vint32){0};   /* index: each lane's position in the chunk at i */
         memcpy(&max_value, x, sizeof max_value);
-        memcpy(&u, x, sizeof u);
-        vint32 nan = (u & 0x7fffffffu) > 0x7f800000u;
         for (int l = 0; l < LANES; l++) at[l] = index[l] = l;
-        for (i = LANES; i + LANES <= n; i += LANES) {
+        for (i = 0; i + LANES <= n; i += LANES, index += LANES) {   /* chunk 0 too: its NaNs */
             vfloat v;
+            vuint32 u;
             memcpy(&v, x + i, sizeof v);
             memcpy(&u, x + i, sizeof u);
-            index += LANES;
             const vint32 larger = v > max_value;
             max_value = select_lanes(larger, v, max_value);
             at = (larger & index) | (~larger & at);

@@ -1,6 +1,6 @@
 /* cpu_kernels.h: what the CPU kernels (decode_attention.c, prefill_attention.c, rms_norm.c, rope.c,
-   silu_and_mul.c, argmax.c) share: bfloat16 <-> float32, a request's view of the paged cache, and the SIMD
-   vector types.
+   silu_and_mul.c, argmax.c) share: bfloat16 <-> float32, a request's view of the paged cache, and
+   the SIMD vector types.
 
    Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
    a request is slot block_table[p / block_size] * block_size + p % block_size.
@@ -74,8 +74,6 @@ typedef float vfloat __attribute__((vector_size(4 * LANES)));
 typedef uint32_t vuint32 __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vuint16 __attribute__((vector_size(2 * LANES)));
 typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
-
-static inline vfloat splat(float x) { return (vfloat){0} + x; }
 
 /* Lane by lane, mask (all ones or zero, as a vector compare gives) ? yes : no. */
 static inline vfloat select_lanes(vint32 mask, vfloat yes, vfloat no) {

@@ -34,6 +34,8 @@ static inline const float *head_row(const void *cache, int64_t slot, int kv_row,
     return buf;
 }
 
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
+
 static inline vfloat max_lanes(vfloat a, vfloat b) { return select_lanes(a > b, a, b); }
 
 /* e^x lane by lane for x <= 0 (softmax arguments), relative error ~2e-7: x = n ln2 + f with
