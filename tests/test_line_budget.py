@@ -11,7 +11,9 @@ MAX_LINES_PER_FILE = 400
 # tensor parallel. 6,500 -> 6,600 for the CPU kernels' Python side (cpu_kernels.py calls six C
 # kernels now: prefill attention, RMSNorm with the residual add, RoPE with store_kv, silu_and_mul,
 # the greedy argmax, beside decode attention; the C itself is not counted) and vLLM's residual layout in llama.py.
-MAX_LINES_TOTAL = 6600
+# 6,600 -> 6,700 for the C GEMM (csrc/gemm.c), a fourth CPU product path that start-up timing can
+# pick: its packing and call in cpu_kernels.py, KernelGemm in models/linear.py.
+MAX_LINES_TOTAL = 6700
 
 
 def test_line_budget():

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, cpu_kernels
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -171,13 +171,15 @@ def check_bf16_against_hf(llm, model, prompts, max_tokens):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("path", ["torch", "onednn", "onednn-fp32"])
+@pytest.mark.parametrize("path", ["torch", "onednn", "onednn-fp32", "kernel"])
 def test_greedy_equals_hf_on_every_cpu_gemm_path(checkpoint, dtype, path):
     """Every CPU product path (linear.py), forced, gives HF's greedy tokens, in float32 and in
     bfloat16 (HF run in bf16 too). A path this CPU's oneDNN cannot run falls back to torch."""
     ckpt, model = checkpoint
     if path == "onednn-fp32" and dtype == "float32":
         pytest.skip("onednn-fp32 is the bf16 model's float32 path; for float32 it is 'onednn'")
+    if path == "kernel" and cpu_kernels.load() is None:
+        pytest.skip("no C compiler here")
     llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype, cpu_gemm=path)
     chosen = set(llm.engine.runner.gemm_paths.values())
     assert chosen <= {path, "torch"} and (path in chosen or dtype == "bfloat16")

@@ -207,6 +207,32 @@ def test_every_cpu_gemm_path_equals_f_linear(dtype, bias):
     assert runnable >= 2 or not torch.backends.mkldnn.is_available()
 
 
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (100, 33), (97, 64)])
+def test_gemm_kernel_equals_f_linear_on_ragged_shapes(dtype, shape):
+    """csrc/gemm.c where its blocking has edges: outputs that fill no whole panel or leave a
+    part-filled last one, an odd number of inputs (bf16 packs them in pairs), and row counts
+    that leave a part-filled row tile (7, 300) or span several row blocks (300), with a bias.
+    float32: F.linear's numbers to float32 rounding. bf16: within one bf16 step of the exact
+    product, and nearly always F.linear's very bits (both sum in float32 and round once)."""
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    gemm = linear.make_gemm("kernel", weight, bias)
+    for rows in (1, 7, 8, 64, 300):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        out, ref = gemm(x), torch.nn.functional.linear(x, weight, bias)
+        assert out.dtype == dtype and out.shape == (rows, out_features)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            continue
+        exact = x.double() @ weight.double().t() + bias.double()
+        assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+        assert (out == ref).float().mean() > 0.97
+
+
 def test_choose_cpu_gemms_packs_once_per_shape_and_keeps_shared_weights():
     layers = [linear.Linear(32, 48, bias=False) for _ in range(3)] + [linear.Linear(48, 32, bias=True)]
     for layer in layers:

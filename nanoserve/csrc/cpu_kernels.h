@@ -1,5 +1,5 @@
 /* cpu_kernels.h: what the CPU kernels (decode_attention.c, prefill_attention.c, rms_norm.c, rope.c,
-   silu_and_mul.c, argmax.c) share: bfloat16 <-> float32, a request's view of the paged cache, and
+   silu_and_mul.c, argmax.c, gemm.c) share: bfloat16 <-> float32, a request's view of the paged cache, and
    the SIMD vector types.
 
    Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
