@@ -62,6 +62,7 @@ static void weighted_v_plain(const Seq *s, const float *weights, float *acc, flo
 }
 
 #define MAX_NJ (128 / LANES) /* head_dim up to 128 */
+#define SUMS (LANES == 16 ? 16 : 8) /* V-pass sums in registers: half of AVX-512's 32, of AVX2's 16 */
 
 /* Why prefetch: a request's blocks lie anywhere in a cache of gigabytes, so the hardware
    prefetcher restarts at every block edge, and the loads stall on memory between the arithmetic
@@ -88,10 +89,9 @@ static inline float sum_lanes(vfloat v) {
 }
 
 /* The same two passes, head_dim = LANES * nj. Always inlined with constant nj and bf16, so the
-   compiler unrolls the j loops and keeps k[] and a[] in vector registers. tile: TILE float32 rows. */
+   compiler unrolls the j loops and keeps k[] and a[] in vector registers. */
 static inline __attribute__((always_inline)) void
-passes_simd(const Seq *s, const float *q, float *scores, float *acc, float *tile, const int nj,
-            const int bf16) {
+passes_simd(const Seq *s, const float *q, float *scores, float *acc, const int nj, const int bf16) {
     const int head_dim = LANES * nj, size = bf16 ? 2 : 4, kv_row = s->num_kv_heads * head_dim;
     const int64_t row_bytes = (int64_t)kv_row * size;
     const int ahead = PREFETCH_BYTES / row_bytes > 0 ? PREFETCH_BYTES / row_bytes : 1;
@@ -111,34 +111,49 @@ passes_simd(const Seq *s, const float *q, float *scores, float *acc, float *tile
         }
     }
     softmax_rows(scores, s->num_kv_heads * s->group, s->seq_len);
-    /* TILE rows at a time (within one block, so contiguous; they stay in L1), bf16 widened once
-       for all the query heads that read them; each query head's sum in registers over the tile. */
+    /* TILE rows at a time (within one block, so contiguous; they stay in L1). Each KV head's part
+       of a row is loaded (bf16: widened) once, into registers, for up to heads_at_once of the query
+       heads that share it, whose sums stay in registers over the tile. (Widening the tile into a
+       float32 copy first, for every query head to read, made bf16 decode ~25% slower, hot.) */
+    const int heads_at_once = nj >= SUMS ? 1 : SUMS / nj;
     for (int p0 = 0, n; p0 < s->seq_len; p0 += n) {
         const int in_block = s->block_size - p0 % s->block_size, left = s->seq_len - p0;
         n = in_block < TILE ? in_block : TILE;
         n = left < n ? left : n;
         for (int p = p0 + ahead; p < p0 + ahead + n; p++) prefetch_row(s, s->v_cache, p, row_bytes);
         const char *rows = (const char *)s->v_cache + slot_of(s, p0) * row_bytes;
-        if (bf16) {
-            for (int i = 0; i < n * kv_row; i++) tile[i] = bf16_to_f32(((const uint16_t *)rows)[i]);
-            rows = (const char *)tile;
-        }
-        for (int qh = 0; qh < s->num_kv_heads * s->group; qh++) {
-            const float *head = (const float *)rows + (qh / s->group) * head_dim;
-            const float *w = scores + (int64_t)qh * s->seq_len + p0;
-            vfloat a[MAX_NJ];
-            for (int j = 0; j < nj; j++) a[j] = load_lanes(acc + qh * head_dim + LANES * j, 0);
-            for (int p = 0; p < n; p++)
-                for (int j = 0; j < nj; j++) a[j] += w[p] * load_lanes(head + p * kv_row + LANES * j, 0);
-            for (int j = 0; j < nj; j++) memcpy(acc + qh * head_dim + LANES * j, &a[j], sizeof a[j]);
-        }
+        for (int h = 0; h < s->num_kv_heads; h++)
+            for (int g0 = 0; g0 < s->group; g0 += heads_at_once) {
+                const int count = s->group - g0 < heads_at_once ? s->group - g0 : heads_at_once;
+                const int qh0 = h * s->group + g0;
+                vfloat a[SUMS][MAX_NJ];
+#pragma GCC unroll 16
+                for (int g = 0; g < heads_at_once; g++)
+                    for (int j = 0; j < nj; j++)   /* unused ones zeroed: no "maybe uninitialised" */
+                        a[g][j] = g < count ? load_lanes(acc + (qh0 + g) * head_dim + LANES * j, 0) : (vfloat){};
+                for (int p = 0; p < n; p++) {
+                    const char *row = rows + (int64_t)p * row_bytes + (int64_t)h * head_dim * size;
+                    vfloat v[MAX_NJ];
+                    for (int j = 0; j < nj; j++) v[j] = load_lanes(row + LANES * j * size, bf16);
+#pragma GCC unroll 16
+                    for (int g = 0; g < heads_at_once; g++)
+                        if (g < count) {
+                            const float w = scores[(int64_t)(qh0 + g) * s->seq_len + p0 + p];
+                            for (int j = 0; j < nj; j++) a[g][j] += w * v[j];
+                        }
+                }
+#pragma GCC unroll 16
+                for (int g = 0; g < heads_at_once; g++)
+                    if (g < count)
+                        for (int j = 0; j < nj; j++) memcpy(acc + (qh0 + g) * head_dim + LANES * j, &a[g][j], sizeof a[g][j]);
+            }
     }
 }
 
 /* The SIMD passes when head_dim is LANES * nj, up to 128; else returns 0 (use the plain ones). */
-static int passes_simd_if_supported(const Seq *s, const float *q, float *scores, float *acc, float *tile) {
+static int passes_simd_if_supported(const Seq *s, const float *q, float *scores, float *acc) {
 #define NJ_CASE(nj) \
-    case nj: s->bf16 ? passes_simd(s, q, scores, acc, tile, nj, 1) : passes_simd(s, q, scores, acc, tile, nj, 0); return 1;
+    case nj: s->bf16 ? passes_simd(s, q, scores, acc, nj, 1) : passes_simd(s, q, scores, acc, nj, 0); return 1;
     if (s->head_dim % LANES == 0) {
         switch (s->head_dim / LANES) {
             NJ_CASE(1) NJ_CASE(2) NJ_CASE(3) NJ_CASE(4) NJ_CASE(5) NJ_CASE(6) NJ_CASE(7) NJ_CASE(8)
@@ -161,22 +176,20 @@ int decode_attention(const void *query, void *out, const void *k_cache, const vo
                      int num_kv_heads, int group, int head_dim, float scale, int bf16,
                      int num_threads) {
     const int num_q_heads = num_kv_heads * group, q_row = num_q_heads * head_dim;
-    const int kv_row = num_kv_heads * head_dim, row_len = q_row > kv_row ? q_row : kv_row;
-    const int buf_len = row_len > TILE * kv_row ? row_len : TILE * kv_row;
+    const int kv_row = num_kv_heads * head_dim, buf_len = q_row > kv_row ? q_row : kv_row;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int i = 0; i < num_tokens; i++) {
         const Seq s = {k_cache, v_cache, block_table_rows + (int64_t)i * max_blocks, seq_lens[i],
                        block_size, num_kv_heads, group, head_dim, bf16};
-        /* q, acc: [num_q_heads][head_dim]; scores: [num_q_heads][seq_len]; buf: one widened row,
-           or TILE of them. */
+        /* q, acc: [num_q_heads][head_dim]; scores: [num_q_heads][seq_len]; buf: one widened row. */
         float *q = malloc(sizeof(float) * ((size_t)2 * q_row + (size_t)num_q_heads * s.seq_len + buf_len));
         if (!q) { failed = 1; continue; }
         float *acc = q + q_row, *scores = acc + q_row, *buf = scores + (size_t)num_q_heads * s.seq_len;
         const float *query_row = row_f32(query, token_index[i], q_row, bf16, buf);
         for (int d = 0; d < q_row; d++) q[d] = query_row[d] * scale;
         memset(acc, 0, sizeof(float) * q_row);
-        if (!passes_simd_if_supported(&s, q, scores, acc, buf)) {
+        if (!passes_simd_if_supported(&s, q, scores, acc)) {
             scores_plain(&s, q, scores, buf);
             softmax_rows(scores, num_q_heads, s.seq_len);
             weighted_v_plain(&s, scores, acc, buf);
