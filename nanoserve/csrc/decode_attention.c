@@ -20,9 +20,17 @@
    instead of 81 ms in attention in float32, 44 instead of 67 in bfloat16 on an AVX-512 machine
    (30 layers, ~22k cached tokens; reading them at full memory speed takes ~42 / ~21).
 
+   bf16 on a CPU with AVX512-BF16: the scores pass multiplies the model's bf16 query with the
+   cached bf16 K row by that extension's dot product of bf16 pairs (exact products, float32 sums),
+   with no widening of K: ~20% less time for a hot 16-decode step.
+
    The cache layout and the helpers the CPU kernels share: cpu_kernels.h.
 */
 #include "cpu_kernels.h"
+#if defined(__AVX512BF16__) && LANES == 16
+#include <immintrin.h>
+#define DPBF16 1   /* bf16 scores by AVX512-BF16's dot product of bf16 pairs: no widening of K */
+#endif
 
 /* Each row of scores [rows][len] -> its softmax weights. */
 static void softmax_rows(float *scores, int rows, int len) {
@@ -91,7 +99,8 @@ static inline float sum_lanes(vfloat v) {
 /* The same two passes, head_dim = LANES * nj. Always inlined with constant nj and bf16, so the
    compiler unrolls the j loops and keeps k[] and a[] in vector registers. */
 static inline __attribute__((always_inline)) void
-passes_simd(const Seq *s, const float *q, float *scores, float *acc, const int nj, const int bf16) {
+passes_simd(const Seq *s, const float *q, const void *query, float scale, float *scores, float *acc,
+            const int nj, const int bf16) {
     const int head_dim = LANES * nj, size = bf16 ? 2 : 4, kv_row = s->num_kv_heads * head_dim;
     const int64_t row_bytes = (int64_t)kv_row * size;
     const int ahead = PREFETCH_BYTES / row_bytes > 0 ? PREFETCH_BYTES / row_bytes : 1;
@@ -100,6 +109,22 @@ passes_simd(const Seq *s, const float *q, float *scores, float *acc, const int n
         prefetch_row(s, s->k_cache, p + ahead, row_bytes);
         prefetch_row(s, s->v_cache, p + ahead, row_bytes);
         for (int h = 0; h < s->num_kv_heads; h++) {
+#ifdef DPBF16
+            if (bf16 && nj % 2 == 0) {   /* the model's own bf16 query (unscaled: exact products) */
+                __m512bh k[MAX_NJ / 2];
+                for (int j = 0; j < nj / 2; j++) memcpy(&k[j], row + (h * head_dim + 32 * j) * 2, 64);
+                for (int qh = h * s->group; qh < (h + 1) * s->group; qh++) {
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int j = 0; j < nj / 2; j++) {
+                        __m512bh qv;
+                        memcpy(&qv, (const uint16_t *)query + qh * head_dim + 32 * j, 64);
+                        sum = _mm512_dpbf16_ps(sum, qv, k[j]);
+                    }
+                    scores[(int64_t)qh * s->seq_len + p] = scale * sum_lanes((vfloat)sum);
+                }
+                continue;
+            }
+#endif
             vfloat k[MAX_NJ];  /* this KV head's row, shared by its `group` query heads */
             for (int j = 0; j < nj; j++) k[j] = load_lanes(row + (h * head_dim + LANES * j) * size, bf16);
             for (int qh = h * s->group; qh < (h + 1) * s->group; qh++) {
@@ -151,9 +176,11 @@ passes_simd(const Seq *s, const float *q, float *scores, float *acc, const int n
 }
 
 /* The SIMD passes when head_dim is LANES * nj, up to 128; else returns 0 (use the plain ones). */
-static int passes_simd_if_supported(const Seq *s, const float *q, float *scores, float *acc) {
+static int passes_simd_if_supported(const Seq *s, const float *q, const void *query, float scale,
+                                    float *scores, float *acc) {
 #define NJ_CASE(nj) \
-    case nj: s->bf16 ? passes_simd(s, q, scores, acc, nj, 1) : passes_simd(s, q, scores, acc, nj, 0); return 1;
+    case nj: s->bf16 ? passes_simd(s, q, query, scale, scores, acc, nj, 1) \
+                     : passes_simd(s, q, query, scale, scores, acc, nj, 0); return 1;
     if (s->head_dim % LANES == 0) {
         switch (s->head_dim / LANES) {
             NJ_CASE(1) NJ_CASE(2) NJ_CASE(3) NJ_CASE(4) NJ_CASE(5) NJ_CASE(6) NJ_CASE(7) NJ_CASE(8)
@@ -189,7 +216,8 @@ int decode_attention(const void *query, void *out, const void *k_cache, const vo
         const float *query_row = row_f32(query, token_index[i], q_row, bf16, buf);
         for (int d = 0; d < q_row; d++) q[d] = query_row[d] * scale;
         memset(acc, 0, sizeof(float) * q_row);
-        if (!passes_simd_if_supported(&s, q, scores, acc)) {
+        const void *own_query = (const char *)query + (int64_t)token_index[i] * q_row * (bf16 ? 2 : 4);
+        if (!passes_simd_if_supported(&s, q, own_query, scale, scores, acc)) {
             scores_plain(&s, q, scores, buf);
             softmax_rows(scores, num_q_heads, s.seq_len);
             weighted_v_plain(&s, scores, acc, buf);

@@ -13,7 +13,9 @@
        out_t[d] (lane r) += sum_c weight[c] * v_c[d]      v_c[d]: one float, broadcast
 
    are plain vector FMAs over K and V rows read in place from the cache: no transposed K, no
-   horizontal sums, and the softmax's max and sum are lane-wise too. Keys go CHUNK positions at a
+   horizontal sums, and the softmax's max and sum are lane-wise too. bf16 on a CPU with
+   AVX512-BF16: the scores by its dot product of bf16 pairs (qt[i] holds values 2i and 2i + 1, the
+   K row is read as pairs, unwidened), ~15% less time for the kernel on the bench model's prompts. Keys go CHUNK positions at a
    time; the causal mask only touches chunks past the tile's first position (token r at position
    first + r sees keys 0..first + r).
 
@@ -21,6 +23,10 @@
    tile 0 reads keys 0..3 and masks key 3 for tokens 0, 1, 2, key 2 for 0, 1, key 1 for 0.
 */
 #include "cpu_kernels.h"
+#if defined(__AVX512BF16__) && LANES == 16
+#include <immintrin.h>
+#define DPBF16 1   /* bf16 scores by AVX512-BF16's dot product of bf16 pairs: no widening of K */
+#endif
 
 enum { CHUNK = 8 }; /* key positions per step: CHUNK score vectors + one query vector in registers */
 
@@ -60,9 +66,19 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
     const int hd = s->head_dim, q_row = s->num_kv_heads * s->group * hd, kv_row = s->num_kv_heads * hd;
     const int kv_offset = (qh / s->group) * hd, key_end = first + rows;
     for (int d = 0; d < hd; d++) qt[d] = ot[d] = splat(0.f);
+#ifdef DPBF16
+    /* bf16 pairs: qt[i] lane r holds token r's query values 2i and 2i + 1 as they are (unscaled,
+       so each product is exact in float32); the scale multiplies the scores instead. */
+    const int pairs = s->bf16 && hd % 2 == 0;
+#else
+    const int pairs = 0;
+#endif
     for (int r = 0; r < rows; r++) {
         const int64_t at = (row0 + r) * q_row + qh * hd;
-        for (int d = 0; d < hd; d++) qt[d][r] = scale * value_at(query, at + d, s->bf16);
+        if (pairs)
+            for (int i = 0; i < hd / 2; i++) memcpy((uint32_t *)&qt[i] + r, (const uint16_t *)query + at + 2 * i, 4);
+        else
+            for (int d = 0; d < hd; d++) qt[d][r] = scale * value_at(query, at + d, s->bf16);
     }
     vint32 position = {0};
     for (int r = 0; r < LANES; r++) position[r] = first + r;
@@ -75,11 +91,23 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
             /* past key_end: any valid row (the first), masked below */
             const int64_t slot = p0 + c < key_end ? (int64_t)s->table[block] * s->block_size + offset
                                                   : slot_of(s, 0);
-            k[c] = head_row(s->k_cache, slot, kv_row, kv_offset, hd, s->bf16, kbuf + c * hd);
+            k[c] = pairs ? (const float *)((const uint16_t *)s->k_cache + slot * kv_row + kv_offset)
+                         : head_row(s->k_cache, slot, kv_row, kv_offset, hd, s->bf16, kbuf + c * hd);
             v[c] = head_row(s->v_cache, slot, kv_row, kv_offset, hd, s->bf16, vbuf + c * hd);
         }
         vfloat score[CHUNK];
         for (int c = 0; c < CHUNK; c++) score[c] = splat(0.f);
+#ifdef DPBF16
+        if (pairs) {   /* k[c]: the cached bf16 row itself, read as hd / 2 pairs */
+            for (int i = 0; i < hd / 2; i++) {
+                const __m512bh q = (__m512bh)(__m512i)qt[i];
+                for (int c = 0; c < CHUNK; c++)
+                    score[c] = (vfloat)_mm512_dpbf16_ps((__m512)score[c], q,
+                                                        (__m512bh)_mm512_set1_epi32(((const int32_t *)k[c])[i]));
+            }
+            for (int c = 0; c < CHUNK; c++) score[c] *= scale;
+        } else
+#endif
         for (int d = 0; d < hd; d++) {
             const vfloat q = qt[d];
             for (int c = 0; c < CHUNK; c++) score[c] += q * k[c][d];
