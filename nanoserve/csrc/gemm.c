@@ -4,10 +4,10 @@
 
    Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why our own: a decode
    step multiplies 1 to 64 rows, and there oneDNN's product is far from the machine's peak (Zen 4,
-   2 threads, float32, the bench model's shapes cycled over 30 layers: 480 us a layer at 8 rows
-   where this loop takes 280, 1,770 against 1,170 at 32, 2,360 against 2,180 at 64), while at 2,048
-   rows both run at the peak. The loop is the textbook one (BLIS's micro-kernel): nothing in it is
-   tuned to one CPU beyond the vector width the compiler is given.
+   2 threads, float32, the bench model's four shapes cycled over 30 layers: 780 us a layer at 8
+   rows where this loop takes 480, 1,770 against 1,170 at 32, 2,360 against 2,180 at 64), while at
+   2,048 rows both run at the peak. The loop is the textbook one (BLIS's micro-kernel): nothing in
+   it is tuned to one CPU beyond the vector width the compiler is given.
 
    Packing: W [N outputs, K inputs] is cut into panels of PANEL output columns, each stored k by k
    (packed[p][k][j] = W[p * PANEL + j][k]), so the inner loop reads one panel row as NV vectors.
