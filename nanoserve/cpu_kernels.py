@@ -212,12 +212,11 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """gemm.c's packing of a float32 or bf16 weight [out, in] into panels, with the bias (or
     zeros) in float32 padded to whole panels: what `gemm` multiplies by. RuntimeError where the
     kernels cannot run here (models/linear.py then keeps another path)."""
-    kernels = load()
-    if kernels is None or weight.dim() != 2 or not _takes(weight.contiguous()):
+    kernels, weight = load(), weight.contiguous()
+    if kernels is None or weight.dim() != 2 or not _takes(weight):
         raise RuntimeError("the C GEMM needs the CPU kernels and a float32 or bf16 weight")
     (n, k), width, bf16 = weight.shape, kernels.gemm_panel_width(), weight.dtype == torch.bfloat16
     columns = -(-n // width) * width
-    weight = weight.contiguous()
     packed = weight.new_empty(columns * (k + k % 2 if bf16 else k))
     kernels.gemm_pack(weight.data_ptr(), packed.data_ptr(), n, k, int(bf16))
     padded_bias = torch.zeros(columns)
@@ -227,7 +226,8 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
 
 
 def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int) -> Tensor:
-    """gemm.c: x [..., in] @ W.T + b in x's dtype, with W and b as `gemm_pack` packed them."""
+    """gemm.c: x [..., in] @ W.T + b, with W and b as `gemm_pack` packed them; in W's dtype (the
+    model's rows already are)."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
     load().gemm(rows.data_ptr(), packed.data_ptr(), bias.data_ptr(), out.data_ptr(), rows.shape[0],

@@ -10,7 +10,8 @@ MAX_LINES_PER_FILE = 400
 # (bench_serve.py), the engine core in its own process (core_client.py, engine_core.py) and
 # tensor parallel. 6,500 -> 6,600 for the CPU kernels' Python side (cpu_kernels.py calls six C
 # kernels now: prefill attention, RMSNorm with the residual add, RoPE with store_kv, silu_and_mul,
-# the greedy argmax, beside decode attention; the C itself is not counted) and vLLM's residual layout in llama.py.
+# the greedy argmax, beside decode attention; the C itself is not counted) and vLLM's residual
+# layout in llama.py.
 # 6,600 -> 6,700 for the C GEMM (csrc/gemm.c), a fourth CPU product path that start-up timing can
 # pick: its packing and call in cpu_kernels.py, KernelGemm in models/linear.py.
 MAX_LINES_TOTAL = 6700

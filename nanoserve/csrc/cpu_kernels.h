@@ -1,6 +1,6 @@
 /* cpu_kernels.h: what the CPU kernels (decode_attention.c, prefill_attention.c, rms_norm.c, rope.c,
-   silu_and_mul.c, argmax.c, gemm.c) share: bfloat16 <-> float32, a request's view of the paged cache, and
-   the SIMD vector types.
+   silu_and_mul.c, argmax.c, gemm.c) share: bfloat16 <-> float32, a request's view of the paged
+   cache, and the SIMD vector types.
 
    Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
    a request is slot block_table[p / block_size] * block_size + p % block_size.
@@ -74,6 +74,14 @@ typedef float vfloat __attribute__((vector_size(4 * LANES)));
 typedef uint32_t vuint32 __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vuint16 __attribute__((vector_size(2 * LANES)));
 typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
+
+/* AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): `vdpbf16ps` multiplies bf16 pairs and adds
+   both products into float32 lanes. gemm.c and the bf16 attention scores use it where the
+   compiler targets it; elsewhere they widen bf16 to float32 themselves. */
+#if defined(__AVX512BF16__) && LANES == 16
+#include <immintrin.h>
+#define DPBF16 1
+#endif
 
 /* Lane by lane, mask (all ones or zero, as a vector compare gives) ? yes : no. */
 static inline vfloat select_lanes(vint32 mask, vfloat yes, vfloat no) {

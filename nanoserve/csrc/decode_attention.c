@@ -27,10 +27,6 @@
    The cache layout and the helpers the CPU kernels share: cpu_kernels.h.
 */
 #include "cpu_kernels.h"
-#if defined(__AVX512BF16__) && LANES == 16
-#include <immintrin.h>
-#define DPBF16 1   /* bf16 scores by AVX512-BF16's dot product of bf16 pairs: no widening of K */
-#endif
 
 /* Each row of scores [rows][len] -> its softmax weights. */
 static void softmax_rows(float *scores, int rows, int len) {

@@ -22,10 +22,6 @@
    row tiles.
 */
 #include "cpu_kernels.h"
-#if defined(__AVX512BF16__) && LANES == 16
-#include <immintrin.h>
-#define DPBF16 1   /* one instruction multiplies bf16 pairs and adds both into float32 */
-#endif
 
 #define NV 3                 /* vectors per tile row */
 #define PANEL (NV * LANES)   /* output columns per panel */

@@ -15,18 +15,14 @@
    are plain vector FMAs over K and V rows read in place from the cache: no transposed K, no
    horizontal sums, and the softmax's max and sum are lane-wise too. bf16 on a CPU with
    AVX512-BF16: the scores by its dot product of bf16 pairs (qt[i] holds values 2i and 2i + 1, the
-   K row is read as pairs, unwidened), ~15% less time for the kernel on the bench model's prompts. Keys go CHUNK positions at a
-   time; the causal mask only touches chunks past the tile's first position (token r at position
-   first + r sees keys 0..first + r).
+   K row is read as pairs, unwidened), ~15% less time for the kernel on the bench model's prompts.
+   Keys go CHUNK positions at a time; the causal mask only touches chunks past the tile's first
+   position (token r at position first + r sees keys 0..first + r).
 
    Worked example, LANES 4, a 6-token prompt: tiles are tokens 0-3 and 4-5 (lanes 2-3 idle);
    tile 0 reads keys 0..3 and masks key 3 for tokens 0, 1, 2, key 2 for 0, 1, key 1 for 0.
 */
 #include "cpu_kernels.h"
-#if defined(__AVX512BF16__) && LANES == 16
-#include <immintrin.h>
-#define DPBF16 1   /* bf16 scores by AVX512-BF16's dot product of bf16 pairs: no widening of K */
-#endif
 
 enum { CHUNK = 8 }; /* key positions per step: CHUNK score vectors + one query vector in registers */
 
