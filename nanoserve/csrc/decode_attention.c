@@ -22,7 +22,9 @@
 
    bf16 on a CPU with AVX512-BF16: the scores pass multiplies the model's bf16 query with the
    cached bf16 K row by that extension's dot product of bf16 pairs (exact products, float32 sums),
-   with no widening of K: ~20% less time for a hot 16-decode step.
+   with no widening of K: ~20% less time for a hot 16-decode step. The V pass uses it too, on two
+   positions at once with the softmax weights rounded to bf16 (V_PAIRS below): ~13% less time for
+   a 64-decode layer with 30 layers' caches cycled (1.22 -> 1.06 ms, 4 alternating pairs, Zen 4).
 
    The cache layout and the helpers the CPU kernels share: cpu_kernels.h.
 */
@@ -79,6 +81,17 @@ static void weighted_v_plain(const Seq *s, const float *weights, float *acc, flo
    from ~1.58 to ~1.45 ms in bf16 on that Zen 4 (float32: ~1.8 to ~1.73). The V pass still asks
    again, for sequences whose V does not stay in L2 (a prefetch of a line in L2 costs little). */
 enum { PREFETCH_BYTES = 16384, TILE = 16 };
+
+/* bf16 on AVX512-BF16 (head_dim a multiple of 32): the weighted sum of V rows by the dot product
+   of bf16 pairs, two positions at once. The rows of p and p + 1 are interleaved (unpacklo/hi_epi16,
+   which pair them within each 128-bit quarter: a sum vector then holds dimensions {0-3, 8-11,
+   16-19, 24-27} or {4-7, 12-15, 20-23, 28-31} of each 32, put back in order at the end), and
+   multiplied by the pair of weights (w_p, w_p+1), both rounded to bf16: where HF rounds its
+   softmax before the product with V. One instruction for two positions' products and sums, and no
+   widening of V. */
+#if defined(DPBF16) && defined(__AVX512BW__)
+#define V_PAIRS 1
+#endif
 
 static inline void prefetch_row(const Seq *s, const void *cache, int p, int64_t row_bytes) {
     if (p >= s->seq_len) return;
@@ -152,6 +165,31 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
                 for (int g = 0; g < heads_at_once; g++)
                     for (int j = 0; j < nj; j++)   /* unused ones zeroed: no "maybe uninitialised" */
                         a[g][j] = g < count ? load_lanes(acc + (qh0 + g) * head_dim + LANES * j, 0) : (vfloat){};
+#ifdef V_PAIRS
+                if (bf16 && nj % 2 == 0) {   /* positions p, p + 1 at once; see V_PAIRS */
+                    for (int p = 0; p < n; p += 2) {
+                        const char *row = rows + (int64_t)p * row_bytes + (int64_t)h * head_dim * 2;
+                        const int two = p + 1 < n;
+                        __m512i v[MAX_NJ];
+                        for (int c = 0; c < nj / 2; c++) {
+                            __m512i first, second = _mm512_setzero_si512();
+                            memcpy(&first, row + 64 * c, 64);
+                            if (two) memcpy(&second, row + row_bytes + 64 * c, 64);
+                            v[2 * c] = _mm512_unpacklo_epi16(first, second);
+                            v[2 * c + 1] = _mm512_unpackhi_epi16(first, second);
+                        }
+#pragma GCC unroll 16
+                        for (int g = 0; g < heads_at_once; g++)
+                            if (g < count) {
+                                const float *w = scores + (int64_t)(qh0 + g) * s->seq_len + p0 + p;
+                                const uint32_t pair = f32_to_bf16(w[0]) | (two ? (uint32_t)f32_to_bf16(w[1]) << 16 : 0u);
+                                const __m512bh weights = (__m512bh)_mm512_set1_epi32((int)pair);
+                                for (int j = 0; j < nj; j++)
+                                    a[g][j] = (vfloat)_mm512_dpbf16_ps((__m512)a[g][j], (__m512bh)v[j], weights);
+                            }
+                    }
+                } else
+#endif
                 for (int p = 0; p < n; p++) {
                     const char *row = rows + (int64_t)p * row_bytes + (int64_t)h * head_dim * size;
                     vfloat v[MAX_NJ];
@@ -169,6 +207,15 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
                         for (int j = 0; j < nj; j++) memcpy(acc + (qh0 + g) * head_dim + LANES * j, &a[g][j], sizeof a[g][j]);
             }
     }
+#ifdef V_PAIRS
+    if (bf16 && nj % 2 == 0)   /* the sums back into dimension order, per query head */
+        for (int qh = 0; qh < s->num_kv_heads * s->group; qh++) {
+            float sums[LANES * MAX_NJ], *head = acc + qh * head_dim;
+            memcpy(sums, head, sizeof(float) * head_dim);
+            for (int j = 0; j < nj; j++)
+                for (int l = 0; l < LANES; l++) head[32 * (j / 2) + 8 * (l / 4) + 4 * (j % 2) + l % 4] = sums[LANES * j + l];
+        }
+#endif
 }
 
 /* The SIMD passes when head_dim is LANES * nj, up to 128; else returns 0 (use the plain ones). */
