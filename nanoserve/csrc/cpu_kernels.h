@@ -76,9 +76,10 @@ typedef uint16_t vuint16 __attribute__((vector_size(2 * LANES)));
 typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
 
 /* AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): `vdpbf16ps` multiplies bf16 pairs and adds
-   both products into float32 lanes. gemm.c and the bf16 attention scores use it where the
-   compiler targets it; elsewhere they widen bf16 to float32 themselves. */
-#if defined(__AVX512BF16__) && LANES == 16
+   both products into float32 lanes. gemm.c and the bf16 attention kernels use it where the
+   compiler targets it (with AVX512-BW, which every such CPU has, for the 16-bit shuffles that
+   pair bf16 values); elsewhere they widen bf16 to float32 themselves. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && LANES == 16
 #include <immintrin.h>
 #define DPBF16 1
 #endif

@@ -89,7 +89,7 @@ enum { PREFETCH_BYTES = 16384, TILE = 16 };
    multiplied by the pair of weights (w_p, w_p+1), both rounded to bf16: where HF rounds its
    softmax before the product with V. One instruction for two positions' products and sums, and no
    widening of V. */
-#if defined(DPBF16) && defined(__AVX512BW__)
+#ifdef DPBF16
 #define V_PAIRS 1
 #endif
 
