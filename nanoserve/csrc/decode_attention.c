@@ -23,8 +23,9 @@
    bf16 on a CPU with AVX512-BF16: the scores pass multiplies the model's bf16 query with the
    cached bf16 K row by that extension's dot product of bf16 pairs (exact products, float32 sums),
    with no widening of K: ~20% less time for a hot 16-decode step. The V pass uses it too, on two
-   positions at once with the softmax weights rounded to bf16 (V_PAIRS below): ~13% less time for
-   a 64-decode layer with 30 layers' caches cycled (1.22 -> 1.06 ms, 4 alternating pairs, Zen 4).
+   positions at once with the softmax weights rounded to bf16 ("V in pairs" below): ~13% less time
+   for a 64-decode layer with 30 layers' caches cycled (1.22 -> 1.06 ms, 4 alternating pairs, Zen 4
+   "AMD EPYC" family 25 model 17, avx512f avx512bw avx512_bf16).
 
    The cache layout and the helpers the CPU kernels share: cpu_kernels.h.
 */
@@ -82,16 +83,13 @@ static void weighted_v_plain(const Seq *s, const float *weights, float *acc, flo
    again, for sequences whose V does not stay in L2 (a prefetch of a line in L2 costs little). */
 enum { PREFETCH_BYTES = 16384, TILE = 16 };
 
-/* bf16 on AVX512-BF16 (head_dim a multiple of 32): the weighted sum of V rows by the dot product
-   of bf16 pairs, two positions at once. The rows of p and p + 1 are interleaved (unpacklo/hi_epi16,
-   which pair them within each 128-bit quarter: a sum vector then holds dimensions {0-3, 8-11,
-   16-19, 24-27} or {4-7, 12-15, 20-23, 28-31} of each 32, put back in order at the end), and
-   multiplied by the pair of weights (w_p, w_p+1), both rounded to bf16: where HF rounds its
-   softmax before the product with V. One instruction for two positions' products and sums, and no
-   widening of V. */
-#ifdef DPBF16
-#define V_PAIRS 1
-#endif
+/* V in pairs. bf16 on AVX512-BF16 (head_dim a multiple of 32): the weighted sum of V rows by the
+   dot product of bf16 pairs, two positions at once. The rows of p and p + 1 are interleaved
+   (unpacklo/hi_epi16, which pair them within each 128-bit quarter: a sum vector then holds
+   dimensions {0-3, 8-11, 16-19, 24-27} or {4-7, 12-15, 20-23, 28-31} of each 32, put back in order
+   at the end), and multiplied by the pair of weights (w_p, w_p+1), both rounded to bf16: where HF
+   rounds its softmax before the product with V. One instruction for two positions' products and
+   sums, and no widening of V. */
 
 static inline void prefetch_row(const Seq *s, const void *cache, int p, int64_t row_bytes) {
     if (p >= s->seq_len) return;
@@ -113,13 +111,16 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
     const int head_dim = LANES * nj, size = bf16 ? 2 : 4, kv_row = s->num_kv_heads * head_dim;
     const int64_t row_bytes = (int64_t)kv_row * size;
     const int ahead = PREFETCH_BYTES / row_bytes > 0 ? PREFETCH_BYTES / row_bytes : 1;
+#ifdef DPBF16
+    const int pairs = bf16 && nj % 2 == 0;   /* bf16 rows as pairs for AVX512-BF16's dot product */
+#endif
     for (int p = 0; p < s->seq_len; p++) {
         const char *row = (const char *)s->k_cache + slot_of(s, p) * row_bytes;
         prefetch_row(s, s->k_cache, p + ahead, row_bytes);
         prefetch_row(s, s->v_cache, p + ahead, row_bytes);
         for (int h = 0; h < s->num_kv_heads; h++) {
 #ifdef DPBF16
-            if (bf16 && nj % 2 == 0) {   /* the model's own bf16 query (unscaled: exact products) */
+            if (pairs) {   /* the model's own bf16 query (unscaled: exact products) */
                 __m512bh k[MAX_NJ / 2];
                 for (int j = 0; j < nj / 2; j++) memcpy(&k[j], row + (h * head_dim + 32 * j) * 2, 64);
                 for (int qh = h * s->group; qh < (h + 1) * s->group; qh++) {
@@ -165,8 +166,8 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
                 for (int g = 0; g < heads_at_once; g++)
                     for (int j = 0; j < nj; j++)   /* unused ones zeroed: no "maybe uninitialised" */
                         a[g][j] = g < count ? load_lanes(acc + (qh0 + g) * head_dim + LANES * j, 0) : (vfloat){};
-#ifdef V_PAIRS
-                if (bf16 && nj % 2 == 0) {   /* positions p, p + 1 at once; see V_PAIRS */
+#ifdef DPBF16
+                if (pairs) {   /* positions p, p + 1 at once; see "V in pairs" */
                     for (int p = 0; p < n; p += 2) {
                         const char *row = rows + (int64_t)p * row_bytes + (int64_t)h * head_dim * 2;
                         const int two = p + 1 < n;
@@ -207,8 +208,8 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
                         for (int j = 0; j < nj; j++) memcpy(acc + (qh0 + g) * head_dim + LANES * j, &a[g][j], sizeof a[g][j]);
             }
     }
-#ifdef V_PAIRS
-    if (bf16 && nj % 2 == 0)   /* the sums back into dimension order, per query head */
+#ifdef DPBF16
+    if (pairs)   /* the sums back into dimension order, per query head */
         for (int qh = 0; qh < s->num_kv_heads * s->group; qh++) {
             float sums[LANES * MAX_NJ], *head = acc + qh * head_dim;
             memcpy(sums, head, sizeof(float) * head_dim);

@@ -19,7 +19,8 @@
    and the weighted sum of V two keys at a time: each lane holds token r's weights for keys c and
    c + 1, rounded to bf16 (as torch's CPU flash attention rounds them before its product with V),
    and each V pair is those keys' bf16 values of one dimension, broadcast. ~12% less time again
-   (8 prompts of 256, 4.9-5.1 -> 4.2-4.6 ms a layer, 3 alternating pairs, Zen 4).
+   (8 prompts of 256, 4.9-5.1 -> 4.2-4.6 ms a layer, 3 alternating pairs, Zen 4 "AMD EPYC"
+   family 25 model 17, avx512f avx512bw avx512_bf16).
    Keys go CHUNK positions at a time; the causal mask only touches chunks past the tile's first
    position (token r at position first + r sees keys 0..first + r).
 
