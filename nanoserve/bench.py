@@ -56,15 +56,21 @@ def make_workload(num_prompts: int = 64, input_len=(32, 512), output_len=(32, 25
     return prompts, [rng.randint(*output_len) for _ in range(num_prompts)]
 
 
+def layer_weights(hf_config) -> int:
+    """Weights one decoder layer multiplies by: the q, k, v and o projections and the MLP's three."""
+    from nanoserve.models.llama import head_dim_of
+    h, heads, head_dim = hf_config.hidden_size, hf_config.num_attention_heads, head_dim_of(hf_config)
+    kv = hf_config.num_key_value_heads * head_dim
+    return h * (heads * head_dim + 2 * kv) + heads * head_dim * h + 3 * h * hf_config.intermediate_size
+
+
 def useful_flops(hf_config, prompts, output_lens) -> float:
     """FLOPs the workload needs at the least: 2 per weight per token through the layers, the
     LM head once per output token, and QK^T + PV attention over each token's context
     (recomputation after preemption does not count)."""
-    h, layers = hf_config.hidden_size, hf_config.num_hidden_layers
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or h // heads
-    kv = hf_config.num_key_value_heads * head_dim
-    per_layer = h * (heads * head_dim + 2 * kv) + heads * head_dim * h + 3 * h * hf_config.intermediate_size
+    from nanoserve.models.llama import head_dim_of
+    h, layers, heads = hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.num_attention_heads
+    head_dim, per_layer = head_dim_of(hf_config), layer_weights(hf_config)
     total = 0.0
     for prompt, out in zip(prompts, output_lens):
         fed = len(prompt) + out - 1                  # the last sampled token is never fed back

@@ -134,7 +134,9 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
             for (int c = 0; c < CHUNK; c += 2)
                 for (int d = 0; d < hd; d++)
                     v_pairs[c / 2 * hd + d] = ((const uint16_t *)v[c])[d] | (uint32_t)((const uint16_t *)v[c + 1])[d] << 16;
-            __m512bh weights[CHUNK / 2];   /* lane r: (weight of key c, of key c + 1) for token r */
+            /* lane r: (weight of key c, of key c + 1) for token r; vcvtne2ps2bf16 rounds to nearest
+               even like f32_to_bf16, except that weights below 1.2e-38 (denormal) become 0 */
+            __m512bh weights[CHUNK / 2];
             for (int c = 0; c < CHUNK; c += 2)
                 weights[c / 2] = (__m512bh)_mm512_permutexvar_epi16(
                     pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)score[c + 1], (__m512)score[c]));
