@@ -13,14 +13,22 @@ vLLM runs in a subprocess of that virtualenv with VLLM_CPU_OMP_THREADS_BIND=0-<c
 VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=4, so it uses every core and
 4 GiB of KV cache, the same as nanoserve here. Both get the same token-id prompts and output
 lengths (nanoserve.bench.make_workload, passed to vLLM as JSON), greedy and ignore_eos, on the
-same random SmolLM2-135M-shaped checkpoint. Both follow one protocol: start the engine, warm
-it up with a 3-token request, then run the workload `--runs` times in that same engine
-(nanoserve first, then vLLM) and compare the medians.
+same random SmolLM2-135M-shaped checkpoint.
+
+The protocol: start both engines (nanoserve in this process, vLLM in its subprocess), warm each
+up with a 3-token request, then run the workload `--runs` times in each, the two engines taking
+turns, first nanoserve then vLLM, then vLLM then nanoserve, and so on. Why turns: on a shared
+virtual machine the speed of the host drifts by 10-40% within minutes (seen on several), and
+running one engine's three runs before the other's charged that drift to whichever engine came
+second. Taking turns gives every round both engines under nearly the same conditions; the script
+reports each engine's median and the median of the rounds' ratios. While one engine runs the
+other waits idle (vLLM's engine blocks on its input queue); the script measures the CPU time the
+waiting engine used and prints it, so a run that was not alone says so.
 
 Prefix caching is off in both by default. Why: it is on by default in both engines, and then
 every run after the first finds all 64 prompts already cached and skips their prefill (vLLM's
-runs drop from ~47 s to ~34 s in float32 here, and so do nanoserve's). The workload is meant
-to measure prompts that have to be computed, as the first run does. `--prefix-caching`
+runs drop from ~47 s to ~34 s in float32 on a Zen 4, and so do nanoserve's). The workload is
+meant to measure prompts that have to be computed, as the first run does. `--prefix-caching`
 measures the cached case, again in both engines.
 
 KV block size: each engine's own default unless `--block-size N` gives both the same (nanoserve's
@@ -30,9 +38,11 @@ default is 16 tokens; vLLM's CPU build picks 128 on its own).
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -56,7 +66,8 @@ def main():   # vLLM spawns its engine process, which re-imports this file: henc
               for n in spec["output_lens"]]
     llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, detokenize=False),
                  use_tqdm=False)
-    for _ in range(spec["runs"]):
+    print("READY", flush=True)
+    for _ in sys.stdin:   # one timed run per line from compare_vllm.py; EOF ends it
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -75,19 +86,55 @@ def vllm_env(kv_cache_gb: float = 4) -> dict:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}"}
 
 
-def run_vllm(python: str, spec: dict) -> list[float]:
-    with tempfile.TemporaryDirectory() as tmp:
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group `pgid` (vLLM's front
+    process and its engine process), from /proc."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:            # the process ended meanwhile
+            continue
+        if int(fields[2]) == pgid:   # fields after the command: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])   # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class VllmEngine:
+    """vLLM's LLM in a subprocess of its virtualenv, started and warmed up; `run()` times the
+    workload once there."""
+
+    def __init__(self, python: str, spec: dict, tmp: str):
         spec_path, script = os.path.join(tmp, "spec.json"), os.path.join(tmp, "run_vllm.py")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        with open(script, "w") as f:
-            f.write(VLLM_SIDE)
-        proc = subprocess.run([python, script, spec_path], env=vllm_env(), capture_output=True,
-                              text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"vLLM failed:\n{proc.stderr[-3000:]}")
-    return [json.loads(line.split(" ", 1)[1])["output_tok_s"]
-            for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        Path(spec_path).write_text(json.dumps(spec))
+        Path(script).write_text(VLLM_SIDE)
+        self.log = open(os.path.join(tmp, "vllm.log"), "w+")
+        self.proc = subprocess.Popen([python, script, spec_path], env=vllm_env(), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, start_new_session=True)
+        self._expect("READY")
+
+    def _expect(self, word: str) -> str:
+        for line in self.proc.stdout:        # vLLM's own log lines come first
+            if line.startswith(word):
+                return line
+        self.log.seek(0)
+        raise SystemExit(f"vLLM failed:\n{self.log.read()[-3000:]}")
+
+    def run(self) -> float:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("RESULT").split(" ", 1)[1])["output_tok_s"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.log.close()
 
 
 def main():
@@ -105,29 +152,50 @@ def main():
     path = make_checkpoint()
     prompts, output_lens = make_workload(args.num_prompts)
     spec = {"model": str(path), "dtype": args.dtype, "prompts": prompts,
-            "output_lens": output_lens, "runs": args.runs, "prefix_caching": args.prefix_caching,
+            "output_lens": output_lens, "prefix_caching": args.prefix_caching,
             "block_size": args.block_size}
     block_size = {"block_size": args.block_size} if args.block_size else {}
     llm = make_bench_llm(str(path), args.dtype, enable_prefix_caching=args.prefix_caching,
                          **block_size)
-    ours = []
-    for _ in range(args.runs):
+    ours, theirs = [], []
+    idle = {"nanoserve": 0.0, "vLLM": 0.0}   # CPU seconds each used while the other ran
+
+    def run_ours():
+        before = group_cpu_seconds(vllm.proc.pid)
         ours.append(time_workload(llm, prompts, output_lens)["output_tok_s"])
-        print(f"nanoserve run: {ours[-1]:.1f} output tok/s", flush=True)
-    gemm_paths = llm.engine.runner.gemm_paths
-    del llm  # frees its 4 GiB KV cache before vLLM allocates its own
-    theirs = run_vllm(args.vllm_python, spec)
+        idle["vLLM"] += group_cpu_seconds(vllm.proc.pid) - before
+
+    def run_theirs():
+        before = own_cpu_seconds()
+        theirs.append(vllm.run())
+        idle["nanoserve"] += own_cpu_seconds() - before
+
+    with tempfile.TemporaryDirectory() as tmp:
+        vllm = VllmEngine(args.vllm_python, spec, tmp)
+        try:
+            for i in range(args.runs):
+                for run in (run_ours, run_theirs) if i % 2 == 0 else (run_theirs, run_ours):
+                    run()
+                print(f"round {i + 1}: nanoserve {ours[-1]:.1f}, vLLM {theirs[-1]:.1f} output "
+                      f"tok/s ({ours[-1] / theirs[-1]:.2f}x)", flush=True)
+        finally:
+            vllm.close()
+    ratios = [a / b for a, b in zip(ours, theirs)]
     print(f"machine: {cpu_description()}")
-    print(f"nanoserve GEMM paths: {gemm_paths}")
+    print(f"nanoserve GEMM paths: {llm.engine.runner.gemm_paths}")
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(output_lens)} output tokens, {args.dtype}, {torch.get_num_threads()} threads, "
           f"prefix caching {'on' if args.prefix_caching else 'off'}, block size "
-          f"{args.block_size or 'each engine default'}")
+          f"{args.block_size or 'each engine default'}; engines took turns")
     print(f"nanoserve: {statistics.median(ours):7.1f} output tok/s  (runs: "
           f"{', '.join(f'{x:.1f}' for x in ours)})")
     print(f"vLLM CPU:  {statistics.median(theirs):7.1f} output tok/s  (runs: "
           f"{', '.join(f'{x:.1f}' for x in theirs)})")
-    print(f"ratio nanoserve / vLLM: {statistics.median(ours) / statistics.median(theirs):.2f}x")
+    print(f"ratio nanoserve / vLLM: {statistics.median(ours) / statistics.median(theirs):.2f}x "
+          f"of the medians; per round {', '.join(f'{r:.2f}' for r in ratios)} "
+          f"(median {statistics.median(ratios):.2f}x)")
+    print(f"CPU used by the waiting engine: nanoserve {idle['nanoserve']:.1f} s during vLLM's "
+          f"runs, vLLM {idle['vLLM']:.1f} s during nanoserve's")
 
 
 if __name__ == "__main__":
