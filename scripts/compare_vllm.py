@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -109,10 +110,10 @@ class VllmEngine:
     """vLLM's LLM in a subprocess of its virtualenv, started and warmed up; `run()` times the
     workload once there."""
 
-    def __init__(self, python: str, spec: dict, tmp: str):
+    def __init__(self, python: str, spec: dict, tmp: str, side: str = VLLM_SIDE):
         spec_path, script = os.path.join(tmp, "spec.json"), os.path.join(tmp, "run_vllm.py")
         Path(spec_path).write_text(json.dumps(spec))
-        Path(script).write_text(VLLM_SIDE)
+        Path(script).write_text(side)
         self.log = open(os.path.join(tmp, "vllm.log"), "w+")
         self.proc = subprocess.Popen([python, script, spec_path], env=vllm_env(), text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -135,6 +136,17 @@ class VllmEngine:
         self.proc.stdin.close()
         self.proc.wait()
         self.log.close()
+
+
+def take_turns(runs: int, ours: Callable[[], None], theirs: Callable[[], None],
+               report: Callable[[int], None]) -> None:
+    """Round i runs ours then theirs when i is even, theirs then ours when odd, then
+    report(i): each engine goes first as often as the other, so a host that speeds up or slows
+    down steadily favours neither over two rounds."""
+    for i in range(runs):
+        for run in (ours, theirs) if i % 2 == 0 else (theirs, ours):
+            run()
+        report(i)
 
 
 def main():
@@ -173,11 +185,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         vllm = VllmEngine(args.vllm_python, spec, tmp)
         try:
-            for i in range(args.runs):
-                for run in (run_ours, run_theirs) if i % 2 == 0 else (run_theirs, run_ours):
-                    run()
-                print(f"round {i + 1}: nanoserve {ours[-1]:.1f}, vLLM {theirs[-1]:.1f} output "
-                      f"tok/s ({ours[-1] / theirs[-1]:.2f}x)", flush=True)
+            take_turns(args.runs, run_ours, run_theirs, lambda i: print(
+                f"round {i + 1}: nanoserve {ours[-1]:.1f}, vLLM {theirs[-1]:.1f} output tok/s "
+                f"({ours[-1] / theirs[-1]:.2f}x)", flush=True))
         finally:
             vllm.close()
     ratios = [a / b for a, b in zip(ours, theirs)]

@@ -1,0 +1,69 @@
+"""test_compare_vllm.py: scripts/compare_vllm.py's protocol, without vLLM: the engines take turns,
+the vLLM side is driven line by line (a stand-in script here), a failure shows vLLM's log, and the
+CPU time of a waiting engine's processes is read from /proc.
+
+Run: pytest -q tests/test_compare_vllm.py      (a few seconds)
+"""
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+spec = importlib.util.spec_from_file_location("compare_vllm", ROOT / "scripts" / "compare_vllm.py")
+compare_vllm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare_vllm)
+
+# Stands in for vLLM: log lines first, READY once started, then one RESULT per line it is sent.
+FAKE_SIDE = r"""
+import json, sys
+spec = json.load(open(sys.argv[1]))
+print("INFO a log line that is not the answer", flush=True)
+print("READY", flush=True)
+for i, _ in enumerate(sys.stdin):
+    print("INFO step", flush=True)
+    print("RESULT", json.dumps({"output_tok_s": spec["speeds"][i]}), flush=True)
+"""
+
+
+def test_engines_take_turns_first_place_alternating():
+    calls = []
+    compare_vllm.take_turns(4, lambda: calls.append("ours"), lambda: calls.append("theirs"),
+                            lambda i: calls.append(f"report {i}"))
+    assert calls == ["ours", "theirs", "report 0", "theirs", "ours", "report 1",
+                     "ours", "theirs", "report 2", "theirs", "ours", "report 3"]
+
+
+def test_vllm_side_is_driven_one_run_per_line(tmp_path):
+    engine = compare_vllm.VllmEngine(sys.executable, {"speeds": [101.5, 99.0, 103.25]},
+                                     str(tmp_path), side=FAKE_SIDE)
+    try:
+        assert [engine.run() for _ in range(3)] == [101.5, 99.0, 103.25]
+    finally:
+        engine.close()
+    assert engine.proc.returncode == 0          # EOF on its stdin ended it
+
+
+def test_a_failing_vllm_side_shows_its_log(tmp_path):
+    side = "import sys\nprint('no module named vllm', file=sys.stderr)\nsys.exit(1)\n"
+    with pytest.raises(SystemExit, match="no module named vllm"):
+        compare_vllm.VllmEngine(sys.executable, {}, str(tmp_path), side=side)
+
+
+def test_cpu_seconds_of_a_process_group():
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.5\n"
+                             "while time.time() < end: pass\ntime.sleep(30)"],
+                            start_new_session=True)
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                            start_new_session=True)
+    try:
+        time.sleep(1.0)
+        assert compare_vllm.group_cpu_seconds(busy.pid) >= 0.3
+        assert compare_vllm.group_cpu_seconds(idle.pid) < 0.2
+    finally:
+        busy.kill(), idle.kill()
