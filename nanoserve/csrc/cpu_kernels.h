@@ -65,6 +65,7 @@ static inline int64_t slot_of(const Seq *s, int p) {
 /* The vector type: as many float lanes as this CPU's widest vector register holds. */
 #if defined(__AVX512F__)
 #define LANES 16
+#include <immintrin.h>   /* a few AVX-512 intrinsics where vector extensions have no equivalent */
 #elif defined(__AVX__)
 #define LANES 8
 #else
@@ -80,7 +81,6 @@ typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
    compiler targets it (with AVX512-BW, which every such CPU has, for the 16-bit shuffles that
    pair bf16 values); elsewhere they widen bf16 to float32 themselves. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && LANES == 16
-#include <immintrin.h>
 #define DPBF16 1
 #endif
 
