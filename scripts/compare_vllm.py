@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -87,6 +88,9 @@ def vllm_env(kv_cache_gb: float = 4) -> dict:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gb:g}"}
 
 
+CLOSE_TIMEOUT_S = 60   # vLLM's own shutdown takes a few seconds
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group `pgid` (vLLM's front
     process and its engine process), from /proc."""
@@ -133,8 +137,15 @@ class VllmEngine:
         return json.loads(self._expect("RESULT").split(" ", 1)[1])["output_tok_s"]
 
     def close(self) -> None:
+        """EOF on its stdin ends vLLM's loop after the current run. Why a deadline: after an error
+        or Ctrl-C here (which its own session does not receive) it may be mid-run or hung, and
+        must not outlive this script."""
         self.proc.stdin.close()
-        self.proc.wait()
+        try:
+            self.proc.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)   # its engine process too
+            self.proc.wait()
         self.log.close()
 
 

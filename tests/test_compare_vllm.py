@@ -67,3 +67,12 @@ def test_cpu_seconds_of_a_process_group():
         assert compare_vllm.group_cpu_seconds(idle.pid) < 0.2
     finally:
         busy.kill(), idle.kill()
+
+
+def test_a_vllm_side_that_does_not_stop_is_killed_on_close(tmp_path, monkeypatch):
+    side = "import sys, time\nprint('READY', flush=True)\nsys.stdin.read()\ntime.sleep(60)\n"
+    monkeypatch.setattr(compare_vllm, "CLOSE_TIMEOUT_S", 0.5)
+    engine = compare_vllm.VllmEngine(sys.executable, {}, str(tmp_path), side=side)
+    start = time.perf_counter()
+    engine.close()
+    assert engine.proc.returncode == -9 and time.perf_counter() - start < 10
