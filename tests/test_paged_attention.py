@@ -142,7 +142,7 @@ def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, head_dim, monkeypatc
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("head_dim", [64, 42])
+@pytest.mark.parametrize("head_dim", [64, 128, 42])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_cpu_prefill_kernel_matches_dense(dtype, tol, head_dim, block_size, monkeypatch):
     """The prefill kernel alone (the torch loop must not run): prompts longer than one tile of
