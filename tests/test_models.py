@@ -259,16 +259,18 @@ def test_forced_cpu_gemm_path():
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_rms_norm_kernel_equals_torch(dtype, rows, monkeypatch):
+@pytest.mark.parametrize("dim", [576, 40])
+def test_rms_norm_kernel_equals_torch(dtype, rows, dim, monkeypatch):
     """The C RMSNorm (csrc/rms_norm.c) against the torch code it replaces (HF's order of roundings),
-    with and without the fused residual add, and the residual updated in place."""
+    with and without the fused residual add, and the residual updated in place. dim 40: the
+    values past the last whole vector go one by one."""
     from nanoserve.models import llama
     gen = torch.Generator().manual_seed(0)
-    norm = llama.RMSNorm(576, 1e-5).to(dtype)
+    norm = llama.RMSNorm(dim, 1e-5).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
-    x = (3 * torch.randn(rows, 576, generator=gen)).to(dtype)
-    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+        norm.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+    x = (3 * torch.randn(rows, dim, generator=gen)).to(dtype)
+    residual = torch.randn(rows, dim, generator=gen).to(dtype)
     with torch.inference_mode():
         kernel_plain = norm(x)
         kernel_out, kernel_residual = norm(x, residual.clone())
@@ -286,18 +288,20 @@ def test_rms_norm_kernel_equals_torch(dtype, rows, monkeypatch):
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])
-def test_silu_and_mul_kernel_equals_torch(dtype, rows, monkeypatch):
+@pytest.mark.parametrize("intermediate", [1536, 20])
+def test_silu_and_mul_kernel_equals_torch(dtype, rows, intermediate, monkeypatch):
     """csrc/silu_and_mul.c through LlamaMLP against the torch code it replaces (HF's
     act_fn(gate) * up, with its roundings): float32 within an ulp or two (the C expf is not
     torch's); bf16 mostly to the bit, and where silu(gate) lands on a rounding edge one bf16 step
-    away, which the product's own rounding can make two."""
+    away, which the product's own rounding can make two. intermediate 20: a row's last values go
+    one by one."""
     from nanoserve.models import llama
     gen = torch.Generator().manual_seed(0)
-    gate_up = (4 * torch.randn(rows, 2 * 1536, generator=gen)).to(dtype)
+    gate_up = (4 * torch.randn(rows, 2 * intermediate, generator=gen)).to(dtype)
     kernel = cpu_kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    assert kernel.is_contiguous() and kernel.shape == (rows, 1536)
+    assert kernel.is_contiguous() and kernel.shape == (rows, intermediate)
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-6)
     torch.testing.assert_close(kernel, expected, **tol)
     assert (kernel == expected).float().mean() > (0.4 if dtype == torch.float32 else 0.99)

@@ -46,30 +46,6 @@ static inline const float *head_row(const void *cache, int64_t slot, int kv_row,
     return buf;
 }
 
-static inline vfloat splat(float x) { return (vfloat){0} + x; }
-
-static inline vfloat max_lanes(vfloat a, vfloat b) { return select_lanes(a > b, a, b); }
-
-/* e^x lane by lane for x <= 0 (softmax arguments), relative error ~2e-7: x = n ln2 + f with
-   |f| <= ln2 / 2, e^f by its Taylor series to f^6, 2^n built in the exponent bits. Below -87 the
-   result is 0 (a masked score, -FLT_MAX, weighs nothing). Why 0 and not e^-87 (~1.6e-38, the
-   smallest the formula builds): that weight times a V value below 0.7 is a denormal, and the CPU
-   computes each denormal in a slow microcode assist. Masked keys are in every tile's diagonal
-   chunks, and float32 prefill attention took ~3x as long with them (36-43 against 12 ms for six
-   prompts of 52-487 tokens, "Intel Xeon" with Sapphire Rapids' flags; bf16 rounds weights
-   without denormals and was unaffected). */
-static inline vfloat exp_lanes(vfloat x) {
-    const vint32 tiny = x < -87.0f;
-    x = max_lanes(x, splat(-87.0f));
-    vfloat t = x * 1.44269504f - 0.5f;              /* n = round(x / ln2) = ceil(t): t <= 0 */
-    vint32 n = __builtin_convertvector(t, vint32);    /* truncation: ceil for negative t */
-    vfloat nf = __builtin_convertvector(n, vfloat);
-    vfloat f = x - nf * 0.693359375f + nf * 2.12194440e-4f;   /* ln2 in two parts (Cody-Waite) */
-    vfloat p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720))))));
-    vint32 scale = (n + 127) << 23;
-    return select_lanes(tiny, splat(0.f), p * (vfloat)scale);
-}
-
 /* One task: query head `qh` of `rows` (<= LANES) consecutive tokens of one request, the first at
    flat row `row0` and position `first`. qt, ot: head_dim vectors of scratch; kbuf, vbuf: CHUNK
    widened K and V rows of one head (bf16 only). */

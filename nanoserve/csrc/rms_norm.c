@@ -16,23 +16,49 @@
 */
 #include "cpu_kernels.h"
 
-/* One row; inlined into a float32 and a bf16 copy (`bf16` a constant), each vectorised. */
+/* One row; inlined into a float32 and a bf16 copy (`bf16` a constant): LANES at a time, the
+   rest one by one (the compiler's own vectorising of the plain loop chose half-width vectors and
+   took ~1.5x as long). `row` keeps the (rounded) sum for the second pass. */
 static inline __attribute__((always_inline)) void
 norm_row(const void *x, void *residual, const void *weight, void *out, int64_t base, int dim,
          float eps, const int bf16, float *row) {
+    const int size = bf16 ? 2 : 4;
+    const char *in = (const char *)x + base * size;
+    char *sum = residual ? (char *)residual + base * size : NULL, *dest = (char *)out + base * size;
+    vfloat squares_lanes = splat(0.f);
+    int d = 0;
+    for (; d + LANES <= dim; d += LANES) {
+        vfloat v = load_lanes(in + d * size, bf16);
+        if (sum) {
+            v += load_lanes(sum + d * size, bf16);
+            if (bf16) v = rounded_lanes(v);
+            store_lanes(sum + d * size, v, bf16);
+        }
+        memcpy(row + d, &v, sizeof v);
+        squares_lanes += v * v;
+    }
     float squares = 0.f;
-    for (int d = 0; d < dim; d++) {
-        float v = value_at(x, base + d, bf16);
-        if (residual) {
-            v = rounded(v + value_at(residual, base + d, bf16), bf16);
-            store_at(residual, base + d, v, bf16);
+    for (int l = 0; l < LANES; l++) squares += squares_lanes[l];
+    for (; d < dim; d++) {
+        float v = value_at(in, d, bf16);
+        if (sum) {
+            v = rounded(v + value_at(sum, d, bf16), bf16);
+            store_at(sum, d, v, bf16);
         }
         row[d] = v;
         squares += v * v;
     }
     const float inverse_rms = 1.f / sqrtf(squares / dim + eps);
-    for (int d = 0; d < dim; d++)
-        store_at(out, base + d, value_at(weight, d, bf16) * rounded(row[d] * inverse_rms, bf16), bf16);
+    for (d = 0; d + LANES <= dim; d += LANES) {
+        vfloat v;
+        memcpy(&v, row + d, sizeof v);
+        v *= inverse_rms;
+        if (bf16) v = rounded_lanes(v);
+        v *= load_lanes((const char *)weight + d * size, bf16);
+        store_lanes(dest + d * size, bf16 ? rounded_lanes(v) : v, bf16);
+    }
+    for (; d < dim; d++)
+        store_at(dest, d, value_at(weight, d, bf16) * rounded(row[d] * inverse_rms, bf16), bf16);
 }
 
 /* rows x dim, contiguous. residual may be NULL (then x is normalised as it is); otherwise it is
