@@ -31,13 +31,45 @@
 */
 #include "cpu_kernels.h"
 
-/* Each row of scores [rows][len] -> its softmax weights. */
+/* Each row of scores [rows][len] -> its softmax weights, LANES at a time with exp_lanes
+   (cpu_kernels.h); a row's last values padded with -FLT_MAX, whose weight is 0. Against the
+   plain loops (glibc's expf, a division per weight): 3-5% less time for a 64-decode layer in
+   bf16 and float32 (two builds alternated in one process, Sapphire Rapids flags). */
+static inline vfloat load_padded(const float *row, int n) {   /* n < LANES values, then -FLT_MAX */
+    vfloat v = splat(-FLT_MAX);
+    for (int l = 0; l < n; l++) v[l] = row[l];
+    return v;
+}
+
 static void softmax_rows(float *scores, int rows, int len) {
+    const int whole = len / LANES * LANES, tail = len - whole;
     for (int r = 0; r < rows; r++) {
-        float *row = scores + (int64_t)r * len, max_score = -FLT_MAX, total = 0.f;
-        for (int p = 0; p < len; p++) max_score = row[p] > max_score ? row[p] : max_score;
-        for (int p = 0; p < len; p++) total += (row[p] = expf(row[p] - max_score));
-        for (int p = 0; p < len; p++) row[p] /= total;
+        float *row = scores + (int64_t)r * len;
+        vfloat top = load_padded(row + whole, tail), total = splat(0.f), v;
+        for (int p = 0; p < whole; p += LANES) {
+            memcpy(&v, row + p, sizeof v);
+            top = max_lanes(top, v);
+        }
+        float max_score = -FLT_MAX;
+        for (int l = 0; l < LANES; l++) max_score = top[l] > max_score ? top[l] : max_score;
+        for (int p = 0; p < whole; p += LANES) {
+            memcpy(&v, row + p, sizeof v);
+            v = exp_lanes(v - max_score);
+            total += v;
+            memcpy(row + p, &v, sizeof v);
+        }
+        v = exp_lanes(load_padded(row + whole, tail) - max_score);
+        total += v;
+        for (int l = 0; l < tail; l++) row[whole + l] = v[l];
+        float sum = 0.f;
+        for (int l = 0; l < LANES; l++) sum += total[l];
+        const vfloat inverse = splat(1.f / sum);
+        for (int p = 0; p < whole; p += LANES) {
+            memcpy(&v, row + p, sizeof v);
+            v *= inverse;
+            memcpy(row + p, &v, sizeof v);
+        }
+        for (int p = whole; p < len; p++) row[p] *= inverse[0];
     }
 }
 
