@@ -321,14 +321,16 @@ def test_silu_and_mul_kernel_equals_torch(dtype, rows, intermediate, monkeypatch
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_store_kv_kernel_equals_torch(dtype):
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rope_store_kv_kernel_equals_torch(dtype, head_dim):
     """csrc/rope.c against what it replaces: apply_rope on q and k, then store_kv, on a fused qkv
     row of 9 query and 3 KV heads at scattered positions and slots. bf16 to the bit (the same
-    roundings); float32 within an ulp (the compiler may fuse a product and a sum)."""
+    roundings); float32 within an ulp (the compiler may fuse a product and a sum). head_dim 40:
+    the pairs past the last whole vector go one by one."""
     from nanoserve.models.llama import RotaryEmbedding, apply_rope
     from nanoserve.paged_attention import store_kv_torch
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, head_dim, tokens = 9, 3, 64, 13
+    heads, kv_heads, tokens = 9, 3, 13
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
     positions = torch.randint(0, 500, (tokens,), generator=gen)
     slots = torch.randperm(40, generator=gen)[:tokens]

@@ -19,7 +19,23 @@
 static inline __attribute__((always_inline)) void
 rotate(const void *restrict src, void *restrict dst, const void *restrict cos,
        const void *restrict sin, int half, const int bf16) {
-    for (int i = 0; i < half; i++) {
+    const int size = bf16 ? 2 : 4;
+    const char *x = src, *c_at = cos, *s_at = sin;
+    char *out = dst;
+    int i = 0;
+    /* LANES pairs at a time in explicit vectors: the compiler's own vectorising of the loop below
+       chose half-width vectors and took ~2x as long in bf16. */
+    for (; i + LANES <= half; i += LANES) {
+        const vfloat x1 = load_lanes(x + i * size, bf16), x2 = load_lanes(x + (half + i) * size, bf16);
+        const vfloat c = load_lanes(c_at + i * size, bf16), s = load_lanes(s_at + i * size, bf16);
+        vfloat a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s;
+        if (bf16) a = rounded_lanes(a), b = rounded_lanes(b), d = rounded_lanes(d), e = rounded_lanes(e);
+        a -= b;
+        d += e;
+        store_lanes(out + i * size, bf16 ? rounded_lanes(a) : a, bf16);
+        store_lanes(out + (half + i) * size, bf16 ? rounded_lanes(d) : d, bf16);
+    }
+    for (; i < half; i++) {
         const float x1 = value_at(src, i, bf16), x2 = value_at(src, half + i, bf16);
         const float c = value_at(cos, i, bf16), s = value_at(sin, i, bf16);
         store_at(dst, i, rounded(x1 * c, bf16) - rounded(x2 * s, bf16), bf16);
