@@ -140,13 +140,14 @@ static inline vfloat rounded_lanes(vfloat v) {
     return (vfloat)u;
 }
 
-/* LANES float32 values stored as float32 or (already rounded by rounded_lanes) bf16. */
+/* LANES float32 values stored as float32 or, rounded as rounded_lanes rounds, bf16 (the vector
+   store_at). */
 static inline void store_lanes(void *row, vfloat v, int bf16) {
     if (!bf16) {
         memcpy(row, &v, sizeof v);
         return;
     }
-    const vuint16 narrow = __builtin_convertvector((vuint32)v >> 16, vuint16);
+    const vuint16 narrow = __builtin_convertvector((vuint32)rounded_lanes(v) >> 16, vuint16);
     memcpy(row, &narrow, sizeof narrow);
 }
 

@@ -46,6 +46,54 @@ static inline const float *head_row(const void *cache, int64_t slot, int kv_row,
     return buf;
 }
 
+/* The online softmax's step over n keys (both tile loops): the causal mask where its edge runs
+   through keys p0..p0 + n - 1 (lane r is the token at position[r]), then the running max and total
+   updated and score[] turned into weights. Returns the factor the sums so far are rescaled by. */
+static inline __attribute__((always_inline)) vfloat
+online_softmax(vfloat *score, const int n, int p0, int first, vint32 position, vfloat *max_score,
+               vfloat *total) {
+    if (p0 + n - 1 > first)
+        for (int c = 0; c < n; c++) score[c] = select_lanes(position >= p0 + c, score[c], splat(-FLT_MAX));
+    vfloat new_max = *max_score;
+    for (int c = 0; c < n; c++) new_max = max_lanes(new_max, score[c]);
+    const vfloat rescale = exp_lanes(*max_score - new_max);
+    *total *= rescale;
+    for (int c = 0; c < n; c++) *total += (score[c] = exp_lanes(score[c] - new_max));
+    *max_score = new_max;
+    return rescale;
+}
+
+/* out rows row0.. of query head qh: each lane's sums divided by its total. */
+static void store_tile(void *out, const vfloat *ot, vfloat total, int64_t row0, int rows, int q_row,
+                       int qh, int hd, int bf16) {
+    const vfloat inverse = 1.f / total;
+    for (int d = 0; d < hd; d++) {
+        const vfloat o = ot[d] * inverse;
+        for (int r = 0; r < rows; r++) store_at(out, (row0 + r) * q_row + qh * hd + d, o[r], bf16);
+    }
+}
+
+#ifdef DPBF16
+/* bf16 pairs: qt[i] lane r holds token r's query values 2i and 2i + 1 as they are (unscaled, so
+   each product is exact in float32); the scale multiplies the scores instead. */
+static void query_pairs(vfloat *qt, const void *query, int64_t row0, int rows, int q_row, int qh, int hd) {
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < hd / 2; i++)
+            memcpy((uint32_t *)&qt[i] + r, (const uint16_t *)query + (row0 + r) * q_row + qh * hd + 2 * i, 4);
+}
+
+/* Lane r: (weight of key c, of key c + 1) for token r, as bf16 pairs. vcvtne2ps2bf16 rounds to
+   nearest even like f32_to_bf16, except that weights below 1.2e-38 (denormal) become 0; its words
+   0-15 are one key's weights, 16-31 the next key's: interleaved. */
+static const uint16_t PAIR_ORDER[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+static inline __m512i weight_pairs(vfloat key_c, vfloat key_next) {
+    return _mm512_permutexvar_epi16(_mm512_loadu_si512(PAIR_ORDER),
+                                    (__m512i)_mm512_cvtne2ps_pbh((__m512)key_next, (__m512)key_c));
+}
+#endif
+
 /* One task: query head `qh` of `rows` (<= LANES) consecutive tokens of one request, the first at
    flat row `row0` and position `first`. qt, ot: head_dim vectors of scratch; kbuf, vbuf: CHUNK
    widened K and V rows of one head (bf16 only). */
@@ -55,24 +103,14 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
     const int kv_offset = (qh / s->group) * hd, key_end = first + rows;
     for (int d = 0; d < hd; d++) qt[d] = ot[d] = splat(0.f);
 #ifdef DPBF16
-    /* bf16 pairs: qt[i] lane r holds token r's query values 2i and 2i + 1 as they are (unscaled,
-       so each product is exact in float32); the scale multiplies the scores instead. */
-    const int pairs = s->bf16 && hd % 2 == 0;
+    const int pairs = s->bf16 && hd % 2 == 0;   /* see query_pairs */
+    if (pairs) query_pairs(qt, query, row0, rows, q_row, qh, hd);
 #else
     const int pairs = 0;
 #endif
-    for (int r = 0; r < rows; r++) {
-        const int64_t at = (row0 + r) * q_row + qh * hd;
-        if (pairs)
-            for (int i = 0; i < hd / 2; i++) memcpy((uint32_t *)&qt[i] + r, (const uint16_t *)query + at + 2 * i, 4);
-        else
-            for (int d = 0; d < hd; d++) qt[d][r] = scale * value_at(query, at + d, s->bf16);
-    }
-#ifdef DPBF16
-    /* words 0-15 of a _mm512_cvtne2ps_pbh are one key's weights, 16-31 the next key's: interleave */
-    __m512i pair_order;
-    for (int i = 0; i < 32; i++) ((uint16_t *)&pair_order)[i] = (uint16_t)(i / 2 + (i % 2) * 16);
-#endif
+    if (!pairs)
+        for (int r = 0; r < rows; r++)
+            for (int d = 0; d < hd; d++) qt[d][r] = scale * value_at(query, (row0 + r) * q_row + qh * hd + d, s->bf16);
     vint32 position = {0};
     for (int r = 0; r < LANES; r++) position[r] = first + r;
     vfloat max_score = splat(-FLT_MAX), total = splat(0.f);
@@ -106,27 +144,15 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
             const vfloat q = qt[d];
             for (int c = 0; c < CHUNK; c++) score[c] += q * k[c][d];
         }
-        if (p0 + CHUNK - 1 > first)           /* the causal edge runs through this chunk */
-            for (int c = 0; c < CHUNK; c++)
-                score[c] = select_lanes(position >= p0 + c, score[c], splat(-FLT_MAX));
-        vfloat new_max = max_score;
-        for (int c = 0; c < CHUNK; c++) new_max = max_lanes(new_max, score[c]);
-        const vfloat rescale = exp_lanes(max_score - new_max);
-        total *= rescale;
-        for (int c = 0; c < CHUNK; c++) total += (score[c] = exp_lanes(score[c] - new_max));
-        max_score = new_max;
+        const vfloat rescale = online_softmax(score, CHUNK, p0, first, position, &max_score, &total);
 #ifdef DPBF16
         if (pairs) {   /* keys c and c + 1 at once: their bf16 weights and V values in each lane */
             uint32_t *v_pairs = (uint32_t *)vbuf;   /* [c / 2][d]: V rows c and c + 1, dimension d */
             for (int c = 0; c < CHUNK; c += 2)
                 for (int d = 0; d < hd; d++)
                     v_pairs[c / 2 * hd + d] = ((const uint16_t *)v[c])[d] | (uint32_t)((const uint16_t *)v[c + 1])[d] << 16;
-            /* lane r: (weight of key c, of key c + 1) for token r; vcvtne2ps2bf16 rounds to nearest
-               even like f32_to_bf16, except that weights below 1.2e-38 (denormal) become 0 */
             __m512bh weights[CHUNK / 2];
-            for (int c = 0; c < CHUNK; c += 2)
-                weights[c / 2] = (__m512bh)_mm512_permutexvar_epi16(
-                    pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)score[c + 1], (__m512)score[c]));
+            for (int c = 0; c < CHUNK; c += 2) weights[c / 2] = (__m512bh)weight_pairs(score[c], score[c + 1]);
             for (int d = 0; d < hd; d++) {
                 __m512 o = (__m512)(ot[d] * rescale);
                 for (int c = 0; c < CHUNK / 2; c++)
@@ -142,11 +168,7 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
             ot[d] = o;
         }
     }
-    const vfloat inverse = 1.f / total;
-    for (int d = 0; d < hd; d++) {
-        const vfloat o = ot[d] * inverse;
-        for (int r = 0; r < rows; r++) store_at(out, (row0 + r) * q_row + qh * hd + d, o[r], s->bf16);
-    }
+    store_tile(out, ot, total, row0, rows, q_row, qh, hd, s->bf16);
 }
 
 #ifdef AMX
@@ -168,10 +190,12 @@ enum { KEYS = 32 };
 static void transpose_v(const Seq *s, int h, uint16_t *vt, int len) {
     const int hd = s->head_dim, kv_row = s->num_kv_heads * hd;
     for (int p = 0; p < len; p++) {
-        const uint16_t *v = (const uint16_t *)s->v_cache + slot_of(s, p < s->seq_len ? p : 0) * kv_row + h * hd;
-        for (int d = 0; d < hd; d++) vt[(int64_t)d * len + p] = p < s->seq_len ? v[d] : 0;
+        const uint16_t *v = p < s->seq_len ? (const uint16_t *)s->v_cache + slot_of(s, p) * kv_row + h * hd : NULL;
+        for (int d = 0; d < hd; d++) vt[(int64_t)d * len + p] = v ? v[d] : 0;
     }
 }
+
+static inline int keys_padded(int seq_len) { return (seq_len + KEYS - 1) / KEYS * KEYS; }
 
 static void attend_tile_amx(const Seq *s, const void *query, void *out, int64_t row0, int rows,
                             int first, int qh, float scale, vfloat *qt, vfloat *ot,
@@ -179,11 +203,7 @@ static void attend_tile_amx(const Seq *s, const void *query, void *out, int64_t 
     const int hd = s->head_dim, q_row = s->num_kv_heads * s->group * hd, kv_row = s->num_kv_heads * hd;
     const int h = qh / s->group, key_end = first + rows;
     for (int d = 0; d < hd; d++) qt[d] = ot[d] = splat(0.f);
-    for (int r = 0; r < rows; r++)
-        for (int i = 0; i < hd / 2; i++)
-            memcpy((uint32_t *)&qt[i] + r, (const uint16_t *)query + (row0 + r) * q_row + qh * hd + 2 * i, 4);
-    __m512i pair_order;   /* as in attend_tile */
-    for (int i = 0; i < 32; i++) ((uint16_t *)&pair_order)[i] = (uint16_t)(i / 2 + (i % 2) * 16);
+    query_pairs(qt, query, row0, rows, q_row, qh, hd);
     vint32 position = {0};
     for (int r = 0; r < LANES; r++) position[r] = first + r;
     vfloat max_score = splat(-FLT_MAX), total = splat(0.f);
@@ -204,19 +224,10 @@ static void attend_tile_amx(const Seq *s, const void *query, void *out, int64_t 
             }
             _tile_stored(0, scores[c0 - p0], 64);
         }
-        vfloat score[KEYS], new_max = max_score;
-        for (int c = 0; c < KEYS; c++) {
-            score[c] = *(vfloat *)scores[c] * scale;
-            if (p0 + KEYS - 1 > first) score[c] = select_lanes(position >= p0 + c, score[c], splat(-FLT_MAX));
-            new_max = max_lanes(new_max, score[c]);
-        }
-        const vfloat rescale = exp_lanes(max_score - new_max);
-        total *= rescale;
-        for (int c = 0; c < KEYS; c++) total += (score[c] = exp_lanes(score[c] - new_max));
-        max_score = new_max;
-        for (int c = 0; c < KEYS; c += 2)
-            _mm512_store_si512(weights[c / 2], _mm512_permutexvar_epi16(
-                pair_order, (__m512i)_mm512_cvtne2ps_pbh((__m512)score[c + 1], (__m512)score[c])));
+        vfloat score[KEYS];
+        for (int c = 0; c < KEYS; c++) score[c] = *(vfloat *)scores[c] * scale;
+        const vfloat rescale = online_softmax(score, KEYS, p0, first, position, &max_score, &total);
+        for (int c = 0; c < KEYS; c += 2) _mm512_store_si512(weights[c / 2], weight_pairs(score[c], score[c + 1]));
         _tile_loadd(5, weights, 64);
         for (int d0 = 0; d0 < hd; d0 += 16) {
             _tile_zero(3);
@@ -226,11 +237,7 @@ static void attend_tile_amx(const Seq *s, const void *query, void *out, int64_t 
             for (int d = 0; d < 16; d++) ot[d0 + d] = ot[d0 + d] * rescale + *(vfloat *)sums[d];
         }
     }
-    const vfloat inverse = 1.f / total;
-    for (int d = 0; d < hd; d++) {
-        const vfloat o = ot[d] * inverse;
-        for (int r = 0; r < rows; r++) store_at(out, (row0 + r) * q_row + qh * hd + d, o[r], 1);
-    }
+    store_tile(out, ot, total, row0, rows, q_row, qh, hd, 1);
 }
 #endif
 
@@ -253,14 +260,17 @@ int prefill_attention(const void *query, void *out, const void *k_cache, const v
     int64_t *vt_at = NULL;
 #ifdef AMX
     if (bf16 && head_dim % 32 == 0 && block_size % 16 == 0 && amx_ready()) {
-        vt_at = malloc(sizeof(int64_t) * (num_reqs + 1));
-        for (int i = 0; vt_at && i <= num_reqs; i++)
-            vt_at[i] = i ? vt_at[i - 1] + (int64_t)(seq_lens[i - 1] + KEYS - 1) / KEYS * KEYS * num_kv_heads * head_dim : 0;
-        vt = vt_at ? malloc(sizeof(uint16_t) * (size_t)vt_at[num_reqs]) : NULL;
+        vt_at = malloc(sizeof(int64_t) * (num_reqs + 1));   /* where request i's transposes start */
+        if (vt_at) {
+            vt_at[0] = 0;
+            for (int i = 0; i < num_reqs; i++)
+                vt_at[i + 1] = vt_at[i] + (int64_t)keys_padded(seq_lens[i]) * num_kv_heads * head_dim;
+            vt = malloc(sizeof(uint16_t) * (size_t)vt_at[num_reqs]);
+        }
         if (!vt) { free(vt_at); free(tile_req); free(tile_first); return 1; }
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
         for (int task = 0; task < num_reqs * num_kv_heads; task++) {
-            const int i = task / num_kv_heads, h = task % num_kv_heads, len = (seq_lens[i] + KEYS - 1) / KEYS * KEYS;
+            const int i = task / num_kv_heads, h = task % num_kv_heads, len = keys_padded(seq_lens[i]);
             const Seq s = {k_cache, v_cache, block_table_rows + (int64_t)i * max_blocks, seq_lens[i],
                            block_size, num_kv_heads, group, head_dim, bf16};
             transpose_v(&s, h, vt + vt_at[i] + (int64_t)h * head_dim * len, len);
@@ -285,7 +295,7 @@ int prefill_attention(const void *query, void *out, const void *k_cache, const v
             const int rows = query_len[i] - j < LANES ? query_len[i] - j : LANES;
 #ifdef AMX
             if (vt) {
-                const int len = (seq_lens[i] + KEYS - 1) / KEYS * KEYS;
+                const int len = keys_padded(seq_lens[i]);
                 attend_tile_amx(&s, query, out, query_start[i] + j, rows, seq_lens[i] - query_len[i] + j,
                                 qh, scale, qt, qt + head_dim, vt + vt_at[i] + (int64_t)(qh / group) * head_dim * len, len);
                 continue;

@@ -31,7 +31,7 @@ norm_row(const void *x, void *residual, const void *weight, void *out, int64_t b
         vfloat v = load_lanes(in + d * size, bf16);
         if (sum) {
             v += load_lanes(sum + d * size, bf16);
-            if (bf16) v = rounded_lanes(v);
+            if (bf16) v = rounded_lanes(v);   /* the sum itself is what gets normalised */
             store_lanes(sum + d * size, v, bf16);
         }
         memcpy(row + d, &v, sizeof v);
@@ -55,7 +55,7 @@ norm_row(const void *x, void *residual, const void *weight, void *out, int64_t b
         v *= inverse_rms;
         if (bf16) v = rounded_lanes(v);
         v *= load_lanes((const char *)weight + d * size, bf16);
-        store_lanes(dest + d * size, bf16 ? rounded_lanes(v) : v, bf16);
+        store_lanes(dest + d * size, v, bf16);
     }
     for (; d < dim; d++)
         store_at(dest, d, value_at(weight, d, bf16) * rounded(row[d] * inverse_rms, bf16), bf16);

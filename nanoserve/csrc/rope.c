@@ -30,10 +30,8 @@ rotate(const void *restrict src, void *restrict dst, const void *restrict cos,
         const vfloat c = load_lanes(c_at + i * size, bf16), s = load_lanes(s_at + i * size, bf16);
         vfloat a = x1 * c, b = x2 * s, d = x2 * c, e = x1 * s;
         if (bf16) a = rounded_lanes(a), b = rounded_lanes(b), d = rounded_lanes(d), e = rounded_lanes(e);
-        a -= b;
-        d += e;
-        store_lanes(out + i * size, bf16 ? rounded_lanes(a) : a, bf16);
-        store_lanes(out + (half + i) * size, bf16 ? rounded_lanes(d) : d, bf16);
+        store_lanes(out + i * size, a - b, bf16);
+        store_lanes(out + (half + i) * size, d + e, bf16);
     }
     for (; i < half; i++) {
         const float x1 = value_at(src, i, bf16), x2 = value_at(src, half + i, bf16);

@@ -30,8 +30,7 @@ activate_row(const void *gate_up, void *out, int64_t row, int dim, const int bf1
         const vfloat e = exp_lanes(select_lanes(negative, g, -g));
         vfloat silu = g * select_lanes(negative, e, splat(1.f)) / (1.f + e);
         if (bf16) silu = rounded_lanes(silu);
-        vfloat product = silu * load_lanes(up + d * size, bf16);
-        store_lanes(dest + d * size, bf16 ? rounded_lanes(product) : product, bf16);
+        store_lanes(dest + d * size, silu * load_lanes(up + d * size, bf16), bf16);
     }
     for (; d < dim; d++) {
         const float g = value_at(gate, d, bf16);
