@@ -45,7 +45,7 @@ class Config:
                                    "{'prompt_token_ids': [...]} and outputs carry token ids only.")
     cpu_gemm: str = _f("auto", "How Linear layers multiply on CPU. 'auto': the fastest path on "
                        "this machine, timed at start-up on the model's shapes.",
-                       ("auto", "torch", "onednn", "onednn-fp32", "kernel"))
+                       ("auto", "torch", "onednn", "onednn-fp32", "kernel", "amx"))
     tensor_parallel_size: int = _f(1, "Split the model over this many worker processes "
                                    "(torch.distributed: NCCL, one GPU each; gloo on CPU).")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "

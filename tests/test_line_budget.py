@@ -14,7 +14,9 @@ MAX_LINES_PER_FILE = 400
 # layout in llama.py.
 # 6,600 -> 6,700 for the C GEMM (csrc/gemm.c), a fourth CPU product path that start-up timing can
 # pick: its packing and call in cpu_kernels.py, KernelGemm in models/linear.py.
-MAX_LINES_TOTAL = 6700
+# 6,700 -> 6,750 for the AMX path (bf16 on Sapphire Rapids and later): AmxGemm and the start-up
+# measurement of its crossover to F.linear in models/linear.py, its call in cpu_kernels.py.
+MAX_LINES_TOTAL = 6750
 
 
 def test_line_budget():

@@ -233,6 +233,38 @@ def test_gemm_kernel_equals_f_linear_on_ragged_shapes(dtype, shape):
         assert (out == ref).float().mean() > 0.97
 
 
+@pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("shape", [(17, 32), (40, 96), (100, 64)])
+def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):
+    """gemm.c's AMX loop where its tiles have edges: outputs that fill no whole block of 16 (17,
+    40, 100: the last rows come from a zero-padded copy) and row counts that leave a part-filled
+    row tile or span several passes of four (300), with a bias. Forced to the loop for every row
+    count; within one bf16 step of the exact product, and nearly always F.linear's bits."""
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16)
+    gemm = linear.AmxGemm(weight, bias, loop_rows=1 << 30)
+    for rows in (1, 7, 16, 64, 300):
+        x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+        out, ref = gemm(x), torch.nn.functional.linear(x, weight, bias)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        exact = x.double() @ weight.double().t() + bias.double()
+        assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+        assert (out == ref).float().mean() > 0.97
+    above = linear.AmxGemm(weight, bias, loop_rows=0)   # every row count to F.linear
+    assert torch.equal(above(x), ref)
+
+
+@pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
+def test_gemm_amx_refuses_what_it_cannot_multiply():
+    with pytest.raises(RuntimeError):                  # inputs not a multiple of 32
+        linear.make_gemm("amx", torch.randn(16, 48).to(torch.bfloat16), None)
+    with pytest.raises(RuntimeError):                  # float32: AMX multiplies bf16 only
+        linear.make_gemm("amx", torch.randn(16, 64), None)
+    assert linear.amx_loop_rows(64, 64) in (0, 8, 16, 32, 64, 128, 256, 512)
+
+
 def test_choose_cpu_gemms_packs_once_per_shape_and_keeps_shared_weights():
     layers = [linear.Linear(32, 48, bias=False) for _ in range(3)] + [linear.Linear(48, 32, bias=True)]
     for layer in layers:

@@ -140,3 +140,134 @@ void gemm(const void *x, const void *packed, const float *bias, void *y, int M, 
             }
         }
 }
+
+/* bf16 on a CPU with AMX: y = x @ W.T + b with W as it is ([N, K], the checkpoint's layout), as
+   AMX's left operand. A tile of W (16 output rows x 32 k) is 16 rows of 64 bytes, K * 2 bytes
+   apart: a `tileloadd` straight from the weight, so no packed copy is needed and the same tensor
+   serves F.linear for prefill-sized row counts (models/linear.py's `amx` path). The right operand
+   is x's rows in bf16 pairs along k (xb, below: 16 pairs x 16 rows a tile, packed per call: x is
+   small), and the sums come out transposed: tile (n, m) holds y[m][n] for 16 n x 16 m.
+   Why: a decode step multiplies 1-64 rows, where the product is a stream of the weight from
+   memory, and oneDNN's is far from the memory's speed (the bench model, 37 rows, cold weights:
+   ~85 against ~120 us for 576 x 576). Each thread streams its own contiguous rows of W, 16 at a
+   time, and asks for the rows ~PREFETCH_AHEAD bytes on before it needs them (without: ~1.5x
+   slower). K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another
+   path); N need not be a multiple of 16 (the last rows are copied into a zero-padded block). */
+#ifdef AMX
+#include <omp.h>
+#define PREFETCH_AHEAD 32768
+#define M_GROUP 4   /* row blocks of 16 per pass: 4 sum tiles, 1 of W, 3 of x = the 8 tiles */
+
+/* x [M, K] as AMX right operands: xb[mb][kc] = 16 pairs x 16 rows of uint32 (bf16 x[m][2p], x[m][2p+1]),
+   rows past M zero. */
+static void pack_rows(const uint16_t *x, uint32_t *xb, int M, int K, int mb) {
+    const int chunks = K / 32;
+    const uint32_t *pairs = (const uint32_t *)x;
+    for (int kc = 0; kc < chunks; kc++) {
+        uint32_t *tile = xb + ((int64_t)mb * chunks + kc) * 256;
+        for (int r = 0; r < 16; r++) {
+            const int m = mb * 16 + r;
+            for (int p = 0; p < 16; p++) tile[p * 16 + r] = m < M ? pairs[(int64_t)m * (K / 2) + kc * 16 + p] : 0;
+        }
+    }
+}
+
+/* One sum tile (16 outputs n0.. x 16 rows m0..) + bias -> y, transposed back, rounded to bf16 as
+   oneDNN rounds (to nearest even). */
+static void store_transposed(float sums[16][16], const float *bias, uint16_t *y, int M, int N,
+                             int n0, int m0) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const int outputs = N - n0 < 16 ? N - n0 : 16;
+    const __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << outputs) - 1), bias + n0);
+    for (int r = 0; r < 16 && m0 + r < M; r++) {
+        const __m256bh row = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_i32gather_ps(column, &sums[0][r], 4), b));
+        _mm256_mask_storeu_epi16(y + (int64_t)(m0 + r) * N + n0, (__mmask16)((1u << outputs) - 1), (__m256i)row);
+    }
+}
+
+static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored takes a constant */
+    switch (t) {
+    case 0: _tile_stored(0, sums, 64); break;
+    case 1: _tile_stored(1, sums, 64); break;
+    case 2: _tile_stored(2, sums, 64); break;
+    default: _tile_stored(3, sums, 64); break;
+    }
+}
+
+/* Outputs n0..n0+15 (W rows `a`, K * 2 bytes apart) for row blocks mg..mg+count-1. */
+static void block_amx(const uint16_t *a, const uint32_t *xb, int chunks, int mg, int count,
+                      const char *fetch, const char *fetch_end, int fetch_lines) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t step = (int64_t)chunks * 256;
+    for (int kc = 0; kc < chunks; kc++) {
+        for (int l = 0; l < fetch_lines; l++) {
+            const char *line = fetch + ((int64_t)kc * fetch_lines + l) * 64;
+            if (line < fetch_end) __builtin_prefetch(line, 0, 3);
+        }
+        _tile_loadd(4, a + kc * 32, chunks * 64);
+        const uint32_t *b = xb + (int64_t)mg * step + kc * 256;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (count > 1) { _tile_loadd(6, b + step, 64); _tile_dpbf16ps(1, 4, 6); }
+        if (count > 2) { _tile_loadd(7, b + 2 * step, 64); _tile_dpbf16ps(2, 4, 7); }
+        if (count > 3) { _tile_loadd(5, b + 3 * step, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+}
+
+int gemm_amx_ready(void) { return amx_ready(); }
+
+/* x [M, K], w [N, K], y [M, N] bf16, contiguous; bias float32 [N] (zeros if none). Returns 0, or 1
+   where it cannot run (K not a multiple of 32, AMX refused, out of memory). */
+int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int M, int N,
+             int K, int num_threads) {
+    if (K % 32 || !amx_ready()) return 1;
+    if (M == 0) return 0;
+    const int chunks = K / 32, mblocks = (M + 15) / 16, nblocks = (N + 15) / 16;
+    const int64_t block_bytes = (int64_t)16 * K * 2;
+    const int blocks_ahead = PREFETCH_AHEAD / block_bytes > 1 ? (int)(PREFETCH_AHEAD / block_bytes) : 1;
+    uint32_t *xb = malloc((size_t)mblocks * chunks * 1024);
+    uint16_t *last = N % 16 ? calloc((size_t)16 * K, 2) : NULL;   /* a part-filled last block */
+    if (!xb || (N % 16 && !last)) { free(xb); free(last); return 1; }
+    if (last) memcpy(last, w + (int64_t)(nblocks - 1) * 16 * K, (size_t)(N % 16) * K * 2);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int mb = 0; mb < mblocks; mb++) pack_rows(x, xb, M, K, mb);
+        amx_configure((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
+        const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int first = (int)((int64_t)nblocks * t / threads), end = (int)((int64_t)nblocks * (t + 1) / threads);
+        const char *mine = (const char *)(w + (int64_t)first * 16 * K);
+        const char *mine_end = (const char *)(w + (int64_t)(end < N / 16 ? end : N / 16) * 16 * K);
+        for (const char *line = mine; line < mine + blocks_ahead * block_bytes && line < mine_end; line += 64)
+            __builtin_prefetch(line, 0, 3);   /* the first blocks, which the loop asks for no one */
+        float sums[16][16];
+        for (int nb = first; nb < end; nb++) {
+            const uint16_t *a = nb * 16 + 16 <= N ? w + (int64_t)nb * 16 * K : last;
+            const char *fetch = (const char *)(w + (int64_t)(nb + blocks_ahead) * 16 * K);
+            for (int mg = 0; mg < mblocks; mg += M_GROUP) {
+                const int count = mblocks - mg < M_GROUP ? mblocks - mg : M_GROUP;
+                block_amx(a, xb, chunks, mg, count, fetch, mg ? fetch : mine_end, K / 2 / chunks);
+                for (int j = 0; j < count; j++) {
+                    sum_tile_to_memory(j, sums);
+                    store_transposed(sums, bias, y, M, N, nb * 16, (mg + j) * 16);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xb);
+    free(last);
+    return 0;
+}
+#else
+int gemm_amx_ready(void) { return 0; }
+int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int M, int N,
+             int K, int num_threads) {
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+    return 1;
+}
+#endif

@@ -20,6 +20,10 @@ model's real shapes and row counts, on this machine, and gives each Linear the f
                    the weight packed once into its panels, float32 or bf16. A library's small-row
                    products can be far from the peak: on a Zen 4, 1 to 64 rows ran 1.1-1.6x
                    faster here than in oneDNN, and both ran at the peak from 256 rows.
+    amx            bf16 on a CPU with AMX: the weight kept as it is. Up to a row count measured
+                   at start-up (`amx_loop_rows`) gemm.c's AMX loop, which streams the weight at
+                   near memory speed (a decode step's 1-64 rows), above it F.linear on the same
+                   tensor (prefill). One copy of the weight serves both.
 
     >>> layer = Linear(4, 3, bias=False)
     >>> choose_cpu_gemms([layer], rows=[1, 8])                     # doctest: +SKIP
@@ -34,6 +38,7 @@ Run the tests (each path equals F.linear for 1, 7, 64 and 300 rows):
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Iterable, Optional
 
@@ -44,7 +49,7 @@ from torch import Tensor, nn
 from nanoserve import cpu_kernels
 
 Gemm = Callable[[Tensor], Tensor]
-CPU_GEMM_PATHS = ("torch", "onednn", "onednn-fp32", "kernel")
+CPU_GEMM_PATHS = ("torch", "onednn", "onednn-fp32", "kernel", "amx")
 
 
 class Linear(nn.Module):
@@ -81,6 +86,8 @@ def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor]) -> Gemm:
         return lambda x: F.linear(x, weight, bias)
     if path == "kernel":
         return KernelGemm(weight, bias)
+    if path == "amx":
+        return AmxGemm(weight, bias)
     return PackedGemm(weight, bias, torch.float32 if path == "onednn-fp32" else weight.dtype)
 
 
@@ -112,6 +119,47 @@ class KernelGemm:
         return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features)
 
 
+class AmxGemm:
+    """x @ W.T + b in bf16 with W as it is: up to `loop_rows` rows by gemm.c's AMX loop
+    (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows)."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None):
+        if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not cpu_kernels.gemm_amx_ready():
+            raise RuntimeError("the AMX product needs bf16, inputs a multiple of 32 and a CPU with AMX")
+        self.weight, self.bias = weight.detach().contiguous(), bias
+        self.bias_f32 = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
+        self.loop_rows = amx_loop_rows(*weight.shape) if loop_rows is None else loop_rows
+        self.nbytes = weight.numel() * weight.element_size()   # the weight it holds
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.numel() <= self.loop_rows * x.shape[-1]:
+            y = cpu_kernels.gemm_amx(x, self.weight, self.bias_f32)
+            if y is not None:    # None: out of memory for its buffers
+                return y
+        return F.linear(x, self.weight, self.bias)
+
+
+@functools.lru_cache(maxsize=None)
+def amx_loop_rows(out_features: int, in_features: int, probes=(8, 16, 32, 64, 128, 256, 512)) -> int:
+    """The most rows up to which gemm.c's AMX loop beats F.linear on this CPU: the last of
+    `probes` before the first it loses (0: it loses at the first), timed on a random bf16 weight
+    of this shape, the two interleaved. Measured once per shape, not assumed: where the library
+    catches up depends on the CPU and the shape (Sapphire Rapids, 2 threads, the bench model's
+    four shapes: between 64 and 128 rows)."""
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    zeros, rows = torch.zeros(out_features), 0
+    for m in probes:
+        x = torch.randn(m, in_features, dtype=torch.bfloat16)
+        paths = (lambda r: cpu_kernels.gemm_amx(r, weight, zeros), lambda r: F.linear(r, weight))
+        seconds = [_best_seconds(path, x, 1) for path in paths]
+        for _ in range(2):
+            seconds = [min(s, _seconds(path, x)) for s, path in zip(seconds, paths)]
+        if seconds[0] > seconds[1]:
+            break
+        rows = m
+    return rows
+
+
 def candidate_paths(dtype: torch.dtype) -> tuple[str, ...]:
     """The paths worth timing for weights of `dtype` on a CPU."""
     paths = ["torch"]
@@ -119,6 +167,8 @@ def candidate_paths(dtype: torch.dtype) -> tuple[str, ...]:
         paths += ["onednn", "onednn-fp32"] if dtype in (torch.bfloat16, torch.float16) else ["onednn"]
     if dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
         paths.append("kernel")
+    if dtype == torch.bfloat16 and cpu_kernels.gemm_amx_ready():
+        paths.append("amx")
     return tuple(paths)
 
 
