@@ -155,6 +155,13 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
 #ifdef DPBF16
     const int pairs = bf16 && nj % 2 == 0;   /* bf16 rows as pairs for AVX512-BF16's dot product */
 #endif
+    /* The first `ahead` rows, which no earlier position asks for, all at once: their misses then
+       overlap instead of each waiting for the one before. 2-7% less time for a cold 64-decode
+       bf16 layer, 0-5% float32 (two builds alternated in one process, Sapphire Rapids flags). */
+    for (int p = 0; p < ahead; p++) {
+        prefetch_row(s, s->k_cache, p, row_bytes);
+        prefetch_row(s, s->v_cache, p, row_bytes);
+    }
     for (int p = 0; p < s->seq_len; p++) {
         const char *row = (const char *)s->k_cache + slot_of(s, p) * row_bytes;
         prefetch_row(s, s->k_cache, p + ahead, row_bytes);
