@@ -1,6 +1,7 @@
 /* gemm.c: y = x @ W.T + b for the model's Linear layers on CPU, on a weight packed once at load:
    one of the paths models/linear.py times at start-up (`kernel`), kept only where it is the
-   fastest on the machine at hand.
+   fastest on the machine at hand. At the end, for bf16 on a CPU with AMX, a second product on the
+   weight as it is (`gemm_amx`, linear.py's `amx` path).
 
    Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why our own: a decode
    step multiplies 1 to 64 rows, and there oneDNN's product is far from the machine's peak (Zen 4,
@@ -208,17 +209,19 @@ static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored ta
     }
 }
 
-/* Outputs n0..n0+15 (W rows `a`, K * 2 bytes apart) for row blocks mg..mg+count-1. */
+/* Outputs n0..n0+15 (W rows `a`, K * 2 bytes apart) for row blocks mg..mg+count-1. `fetch` (or
+   NULL): a later block of W, below `fetch_end`, asked for 16 lines a chunk (a block is 16 lines a
+   chunk: 16 rows of 64 bytes), so that all of it is asked for by the last chunk. */
 static void block_amx(const uint16_t *a, const uint32_t *xb, int chunks, int mg, int count,
-                      const char *fetch, const char *fetch_end, int fetch_lines) {
+                      const char *fetch, const char *fetch_end) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const int64_t step = (int64_t)chunks * 256;
     for (int kc = 0; kc < chunks; kc++) {
-        for (int l = 0; l < fetch_lines; l++) {
-            const char *line = fetch + ((int64_t)kc * fetch_lines + l) * 64;
+        for (int l = 0; fetch && l < 16; l++) {
+            const char *line = fetch + ((int64_t)kc * 16 + l) * 64;
             if (line < fetch_end) __builtin_prefetch(line, 0, 3);
         }
         _tile_loadd(4, a + kc * 32, chunks * 64);
@@ -261,9 +264,9 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
         for (int nb = first; nb < end; nb++) {
             const uint16_t *a = nb * 16 + 16 <= N ? w + (int64_t)nb * 16 * K : last;
             const char *fetch = (const char *)(w + (int64_t)(nb + blocks_ahead) * 16 * K);
-            for (int mg = 0; mg < mblocks; mg += M_GROUP) {
+            for (int mg = 0; mg < mblocks; mg += M_GROUP) {   /* the first pass asks for W ahead */
                 const int count = mblocks - mg < M_GROUP ? mblocks - mg : M_GROUP;
-                block_amx(a, xb, chunks, mg, count, fetch, mg ? fetch : mine_end, K / 2 / chunks);
+                block_amx(a, xb, chunks, mg, count, mg ? NULL : fetch, mine_end);
                 for (int j = 0; j < count; j++) {
                     sum_tile_to_memory(j, sums);
                     store_transposed(sums, bias, y, M, N, nb * 16, (mg + j) * 16);

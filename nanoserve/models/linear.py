@@ -148,13 +148,10 @@ def amx_loop_rows(out_features: int, in_features: int, probes=(8, 16, 32, 64, 12
     four shapes: between 64 and 128 rows)."""
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     zeros, rows = torch.zeros(out_features), 0
+    paths = {"loop": lambda r: cpu_kernels.gemm_amx(r, weight, zeros), "torch": lambda r: F.linear(r, weight)}
     for m in probes:
-        x = torch.randn(m, in_features, dtype=torch.bfloat16)
-        paths = (lambda r: cpu_kernels.gemm_amx(r, weight, zeros), lambda r: F.linear(r, weight))
-        seconds = [_best_seconds(path, x, 1) for path in paths]
-        for _ in range(2):
-            seconds = [min(s, _seconds(path, x)) for s, path in zip(seconds, paths)]
-        if seconds[0] > seconds[1]:
+        seconds = _interleaved_seconds(paths, torch.randn(m, in_features, dtype=torch.bfloat16), 2)
+        if seconds["loop"] > seconds["torch"]:
             break
         rows = m
     return rows
@@ -183,6 +180,16 @@ def _best_seconds(gemm: Gemm, x: Tensor, repeats: int) -> float:
     return min(_seconds(gemm, x) for _ in range(repeats))
 
 
+def _interleaved_seconds(gemms: dict[str, Gemm], x: Tensor, repeats: int) -> dict[str, float]:
+    """Each product's best time on x, the products taking turns: a burst of other load hits
+    every one alike."""
+    seconds = {name: _best_seconds(gemm, x, 1) for name, gemm in gemms.items()}
+    for _ in range(repeats):
+        for name, gemm in gemms.items():
+            seconds[name] = min(seconds[name], _seconds(gemm, x))
+    return seconds
+
+
 @torch.inference_mode()
 def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
                paths: Iterable[str], repeats: int = 3) -> dict[str, float]:
@@ -199,11 +206,7 @@ def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
     if len(gemms) <= 1:
         return cost
     for m in rows:
-        x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
-        seconds = {path: _best_seconds(gemm, x, 1) for path, gemm in gemms.items()}
-        for _ in range(repeats):   # interleaved: a burst of other load hits every path alike
-            for path, gemm in gemms.items():
-                seconds[path] = min(seconds[path], _seconds(gemm, x))
+        seconds = _interleaved_seconds(gemms, torch.randn(m, weight.shape[1], dtype=weight.dtype), repeats)
         fastest = min(seconds.values())
         for path, s in seconds.items():
             cost[path] += s / fastest
