@@ -120,7 +120,8 @@ def load():
     kernels.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     kernels.argmax.restype = None
     kernels.argmax.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
-    kernels.gemm_pack.restype = kernels.gemm.restype = None
+    kernels.gemm_pack.restype = None
+    kernels.gemm.restype = ctypes.c_int
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     kernels.gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
@@ -236,8 +237,9 @@ def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int) -> Tensor:
     model's rows already are)."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
-    load().gemm(rows.data_ptr(), packed.data_ptr(), bias.data_ptr(), out.data_ptr(), rows.shape[0],
-                out_features, rows.shape[1], int(rows.dtype == torch.bfloat16), torch.get_num_threads())
+    if load().gemm(rows.data_ptr(), packed.data_ptr(), bias.data_ptr(), out.data_ptr(), rows.shape[0],
+                   out_features, rows.shape[1], int(rows.dtype == torch.bfloat16), torch.get_num_threads()):
+        raise MemoryError(f"gemm.c could not allocate its copy of x ({rows.shape[0]} x {rows.shape[1]})")
     return out.view(*x.shape[:-1], out_features)
 
 
