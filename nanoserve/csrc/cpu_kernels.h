@@ -58,8 +58,17 @@ typedef struct {
     int seq_len, block_size, num_kv_heads, group, head_dim, bf16;
 } Seq;
 
+/* Position p's slot: table[p / block_size] * block_size + p % block_size. For a power-of-two
+   block size (the default 16) by a shift and a mask: the decode kernel finds three slots a
+   position (its row and the two it prefetches), and their divisions cost 5-9% of a 64-decode
+   layer in bf16 (two builds alternated in one process, Zen 4 "AMD EPYC" family 25 model 17). */
 static inline int64_t slot_of(const Seq *s, int p) {
-    return (int64_t)s->table[p / s->block_size] * s->block_size + p % s->block_size;
+    const int b = s->block_size;
+    if ((b & (b - 1)) == 0) {
+        const int shift = __builtin_ctz(b);
+        return ((int64_t)s->table[p >> shift] << shift) | (p & (b - 1));
+    }
+    return (int64_t)s->table[p / b] * b + p % b;
 }
 
 /* The vector type: as many float lanes as this CPU's widest vector register holds. */
