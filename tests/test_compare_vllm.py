@@ -1,6 +1,6 @@
 """test_compare_vllm.py: scripts/compare_vllm.py's protocol, without vLLM: the engines take turns,
-the vLLM side is driven line by line (a stand-in script here), a failure shows vLLM's log, and the
-CPU time of a waiting engine's processes is read from /proc.
+the vLLM side is driven line by line (a stand-in script here), a failure shows vLLM's log, the
+CPU time of a waiting engine's processes is read from /proc, and a paused vLLM side uses none.
 
 Run: pytest -q tests/test_compare_vllm.py      (a few seconds)
 """
@@ -76,3 +76,29 @@ def test_a_vllm_side_that_does_not_stop_is_killed_on_close(tmp_path, monkeypatch
     start = time.perf_counter()
     engine.close()
     assert engine.proc.returncode == -9 and time.perf_counter() - start < 10
+
+
+# Stands in for a vLLM that keeps a core busy while it waits for its next run.
+SPINNING_SIDE = r"""
+import json, sys, threading
+threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
+print("READY", flush=True)
+for _ in sys.stdin:
+    print("RESULT", json.dumps({"output_tok_s": 1.0}), flush=True)
+"""
+
+
+def test_a_paused_vllm_side_uses_no_cpu_and_runs_after(tmp_path):
+    engine = compare_vllm.VllmEngine(sys.executable, {}, str(tmp_path), side=SPINNING_SIDE)
+    cpu = lambda: compare_vllm.group_cpu_seconds(engine.proc.pid)   # noqa: E731
+    try:
+        with engine.paused():
+            before = cpu()
+            time.sleep(0.5)
+            assert cpu() - before < 0.05
+        before = cpu()
+        time.sleep(0.5)
+        assert cpu() - before > 0.2                  # running again: it spins
+        assert engine.run() == 1.0
+    finally:
+        engine.close()
