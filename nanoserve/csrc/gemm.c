@@ -25,9 +25,9 @@
    stays in L2 across the row tiles.
    Why copy x: read in place, the MR rows are MR pointers, more than the registers left beside the
    accumulators, so the loop reloaded them from the stack at every k: bf16, the bench model's four
-   shapes, 30 layers cycled, 512 rows: 374 -> 412 GFLOP/s (of ~460 for the dot products alone), 38
-   rows 348 -> 363; float32 unchanged (Zen 4 "AMD EPYC" family 25 model 17, avx512_bf16, two
-   builds alternated in one process).
+   shapes, 30 layers cycled, 512 rows: 368 -> 399 GFLOP/s (of ~460 for the dot products alone), 38
+   rows 360 -> 377; float32 unchanged (Zen 4 "AMD EPYC" family 25 model 17, avx512_bf16, two
+   builds alternated in one process, 9 rounds).
 */
 #include "cpu_kernels.h"
 
@@ -146,10 +146,7 @@ static void pack_rows(const void *x, uint32_t *xp, int M, int K, int units, int 
     for (int i = 0; i < rows; i++) src[i] = (const char *)x + (int64_t)(t * MR + i) * K * (bf16 ? 2 : 4);
     if (rows < MR) memset(dst, 0, sizeof(uint32_t) * MR * units);
     for (int u = 0; u < whole; u++)
-        if (rows == MR)   /* the common case, without a test per row */
-            for (int i = 0; i < MR; i++) memcpy(dst + (int64_t)u * MR + i, src[i] + 4 * u, 4);
-        else
-            for (int i = 0; i < rows; i++) memcpy(dst + (int64_t)u * MR + i, src[i] + 4 * u, 4);
+        for (int i = 0; i < rows; i++) memcpy(dst + (int64_t)u * MR + i, src[i] + 4 * u, 4);
     if (whole < units)   /* odd K, bf16: x[K - 1] beside a zero */
         for (int i = 0; i < rows; i++) {
             uint32_t last = 0;
@@ -165,7 +162,7 @@ int gemm(const void *x, const void *packed, const float *bias, void *y, int M, i
     const int panels = (N + PANEL - 1) / PANEL, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int units = bf16 ? (K + 1) / 2 : K, row_tiles = (M + MR - 1) / MR;
     const int64_t size = bf16 ? 2 : 4, panel_elems = (int64_t)units * (bf16 ? 2 : 1) * PANEL;
-    uint32_t *xp = malloc(sizeof(uint32_t) * ((size_t)row_tiles * MR * units + 1));
+    uint32_t *xp = malloc(sizeof(uint32_t) * ((size_t)row_tiles * MR * units + 1));   /* + 1: M = 0 */
     if (!xp) return 1;
 #pragma omp parallel num_threads(num_threads)
     {
