@@ -122,9 +122,12 @@ class VllmEngine:
         Path(spec_path).write_text(json.dumps(spec))
         Path(script).write_text(side)
         self.log = open(os.path.join(tmp, "vllm.log"), "w+")
+        # Its own process group (Ctrl-C here does not reach it; killpg reaches its engine process
+        # too) in this session: if this script dies while vLLM is paused, the kernel sends the
+        # group SIGHUP and SIGCONT (a stopped group left orphaned), so vLLM does not stay stopped.
         self.proc = subprocess.Popen([python, script, spec_path], env=vllm_env(), text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, start_new_session=True)
+                                     stderr=self.log, preexec_fn=os.setpgrp)
         self._expect("READY")
 
     def _expect(self, word: str) -> str:
@@ -153,7 +156,7 @@ class VllmEngine:
 
     def close(self) -> None:
         """EOF on its stdin ends vLLM's loop after the current run. Why a deadline: after an error
-        or Ctrl-C here (which its own session does not receive) it may be mid-run or hung, and
+        or Ctrl-C here (which its own process group does not receive) it may be mid-run or hung, and
         must not outlive this script."""
         self.proc.stdin.close()
         try:

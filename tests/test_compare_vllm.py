@@ -1,6 +1,7 @@
 """test_compare_vllm.py: scripts/compare_vllm.py's protocol, without vLLM: the engines take turns,
 the vLLM side is driven line by line (a stand-in script here), a failure shows vLLM's log, the
-CPU time of a waiting engine's processes is read from /proc, and a paused vLLM side uses none.
+CPU time of a waiting engine's processes is read from /proc, and a paused vLLM side uses none and
+does not outlive a killed script.
 
 Run: pytest -q tests/test_compare_vllm.py      (a few seconds)
 """
@@ -102,3 +103,42 @@ def test_a_paused_vllm_side_uses_no_cpu_and_runs_after(tmp_path):
         assert engine.run() == 1.0
     finally:
         engine.close()
+
+
+# Starts a stand-in, pauses it, prints its pid and waits: to be killed while vLLM is stopped.
+PAUSING_PARENT = r"""
+import importlib.util, sys, tempfile, time
+spec = importlib.util.spec_from_file_location("compare_vllm", sys.argv[1])
+compare_vllm = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare_vllm)
+side = "import sys\nprint('READY', flush=True)\nfor _ in sys.stdin: pass\n"
+engine = compare_vllm.VllmEngine(sys.executable, {}, tempfile.mkdtemp(), side=side)
+print(engine.proc.pid, flush=True)
+with engine.paused():
+    time.sleep(60)
+"""
+
+
+def test_a_paused_vllm_side_does_not_outlive_a_killed_script(tmp_path):
+    parent_script = tmp_path / "parent.py"
+    parent_script.write_text(PAUSING_PARENT)
+    parent = subprocess.Popen([sys.executable, str(parent_script), str(ROOT / "scripts" / "compare_vllm.py")],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.time() + 10
+    while _running(child) and time.time() < deadline:
+        time.sleep(0.1)
+    alive = _running(child)
+    if alive:
+        subprocess.run(["kill", "-9", str(child)])
+    assert not alive
+
+
+def _running(pid: int) -> bool:
+    """Whether pid exists and is not a zombie (one nobody has reaped yet has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
