@@ -12,12 +12,14 @@ code it replaces (which stays the fallback, and the only path on CUDA):
                          CPU with AMX (bf16), its two products in AMX tiles (~2.2x faster).
     rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings.
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
-    silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads.
+    silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads (on
+                         paths other than gemm.c's, which applies it to its gate_up tiles).
     argmax.c             each row's argmax (greedy sampling), vectorised, where torch's goes one
                          float at a time (64 rows of 49k logits, Zen 4: ~0.25 ms against ~2.7).
     gemm.c               a Linear's product on its weight packed once: one of the paths
                          models/linear.py times at start-up (its `kernel`), where decode's 1-64
-                         rows run 1.1-1.6x faster than oneDNN's on Zen 4. On a CPU with AMX, also
+                         rows run 1.1-1.6x faster than oneDNN's on Zen 4; for the MLP's gate_up,
+                         silu(gate) * up in the same pass (gate_up is never stored). With AMX, also
                          a bf16 product on the weight as it is (linear.py's `amx`): decode rows at
                          ~1.2-1.5x oneDNN's speed on Sapphire Rapids (cold weights).
 
@@ -123,7 +125,7 @@ def load():
     kernels.gemm_pack.restype = None
     kernels.gemm.restype = ctypes.c_int
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    kernels.gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+    kernels.gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
     kernels.gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -215,14 +217,22 @@ def argmax(x: Tensor) -> Tensor:
     return out
 
 
-def gemm_pack(weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def gemm_pack(weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False) -> tuple[Tensor, Tensor]:
     """gemm.c's packing of a float32 or bf16 weight [out, in] into panels, with the bias (or
     zeros) in float32 padded to whole panels: what `gemm` multiplies by. RuntimeError where the
-    kernels cannot run here (models/linear.py then keeps another path)."""
+    kernels cannot run here (models/linear.py then keeps another path).
+    silu_and_mul: the weight is gate_up's ([gate; up], as `silu_and_mul` takes its product), and
+    its rows are reordered so that each panel holds width / 2 gate rows and the same rows of up
+    (zero rows past the end): a tile then has both factors of silu(gate) * up in its sums.
+    Worked example, width 12 (vectors of 4), intermediate 8 (gate rows g0-g7, up rows u0-u7):
+    panels [g0 g1 g2 g3 u0 u1 u2 u3 g4 g5 u4 u5] [g6 g7 0 0 u6 u7 0 0 0 0 0 0]."""
     kernels, weight = load(), weight.contiguous()
     if kernels is None or weight.dim() != 2 or not _takes(weight):
         raise RuntimeError("the C GEMM needs the CPU kernels and a float32 or bf16 weight")
-    (n, k), width, bf16 = weight.shape, kernels.gemm_panel_width(), weight.dtype == torch.bfloat16
+    width = kernels.gemm_panel_width()
+    if silu_and_mul:
+        weight, bias = _gate_up_panels(weight, bias, width)
+    (n, k), bf16 = weight.shape, weight.dtype == torch.bfloat16
     columns = -(-n // width) * width
     packed = weight.new_empty(columns * (k + k % 2 if bf16 else k))
     kernels.gemm_pack(weight.data_ptr(), packed.data_ptr(), n, k, int(bf16))
@@ -232,13 +242,31 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     return packed, padded_bias
 
 
-def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int) -> Tensor:
+def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple[Tensor, Optional[Tensor]]:
+    """gate_up's rows in gemm_pack's silu_and_mul order: per panel of `width` rows (three vectors
+    of L = width / 3 lanes), gate rows [0, L), up rows [0, L), gate rows [L, 3L/2), up rows
+    [L, 3L/2), counted from the panel's first column (panel p: p * width / 2); a row index past
+    the end picks the zero row appended at the end (gemm.c's store_tile says why this order)."""
+    intermediate, lanes = weight.shape[0] // 2, width // 3
+    j = torch.arange(width)
+    last = j >= 2 * lanes                      # the third vector: half gate, half up
+    is_up = torch.where(last, j >= 2 * lanes + lanes // 2, j >= lanes)
+    offset = torch.where(last, lanes + (j - 2 * lanes) % (lanes // 2), j % lanes)
+    columns = torch.arange(-(-intermediate // (width // 2)))[:, None] * (width // 2) + offset
+    order = torch.where(columns < intermediate, columns + is_up * intermediate, 2 * intermediate).flatten()
+    weight = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])[order]
+    return weight, None if bias is None else torch.cat([bias.detach(), bias.new_zeros(1)])[order]
+
+
+def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mul: bool = False) -> Tensor:
     """gemm.c: x [..., in] @ W.T + b, with W and b as `gemm_pack` packed them; in W's dtype (the
-    model's rows already are)."""
+    model's rows already are). silu_and_mul (W packed with it; out_features: the intermediate
+    size): silu(gate) * up of that product, as `silu_and_mul` computes it, without storing gate_up."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
     if load().gemm(rows.data_ptr(), packed.data_ptr(), bias.data_ptr(), out.data_ptr(), rows.shape[0],
-                   out_features, rows.shape[1], int(rows.dtype == torch.bfloat16), torch.get_num_threads()):
+                   out_features, rows.shape[1], int(rows.dtype == torch.bfloat16), int(silu_and_mul),
+                   torch.get_num_threads()):
         raise MemoryError(f"gemm.c could not allocate its copy of x ({rows.shape[0]} x {rows.shape[1]})")
     return out.view(*x.shape[:-1], out_features)
 

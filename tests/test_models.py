@@ -233,6 +233,34 @@ def test_gemm_kernel_equals_f_linear_on_ragged_shapes(dtype, shape):
         assert (out == ref).float().mean() > 0.97
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("intermediate, in_features", [(1, 33), (20, 64), (24, 33), (50, 64), (96, 96)])
+def test_every_cpu_gemm_path_with_silu_and_mul_equals_torch(dtype, intermediate, in_features):
+    """A gate_up Linear's silu(gate) * up on every path this machine runs, against F.linear then
+    HF's act_fn(gate) * up in torch. gemm.c applies it to its tiles, whose panels hold half gate
+    and half up columns (csrc/gemm.c's panel is 48 or 24 columns): intermediate sizes that fill
+    no panel, exactly one, or leave a part-filled one, with a bias and row counts that leave
+    part-filled row tiles. float32 within float32 rounding (sums in another order, the C exp is
+    not torch's); bf16 nearly always to the bit, else one bf16 step (a product or a silu on a
+    rounding edge)."""
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(2 * intermediate, in_features, generator=gen) / 4).to(dtype)
+    bias = torch.randn(2 * intermediate, generator=gen).to(dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2**-6)
+    for path in linear.candidate_paths(dtype):
+        try:
+            gemm = linear.make_gemm(path, weight, bias, silu_and_mul=True)
+        except RuntimeError:        # e.g. oneDNN bf16 on a CPU without AVX-512
+            continue
+        for rows in (1, 7, 64, 300):
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            gate, up = torch.nn.functional.linear(x, weight, bias).chunk(2, dim=-1)
+            expected, out = torch.nn.functional.silu(gate) * up, gemm(x)
+            assert out.dtype == dtype and out.shape == (rows, intermediate) and out.is_contiguous(), path
+            torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"{path}, {rows} rows: {m}")
+            assert dtype == torch.float32 or (out == expected).float().mean() > 0.95, path
+
+
 @pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
 @pytest.mark.parametrize("shape", [(17, 32), (40, 96), (100, 64)])
 def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):

@@ -55,11 +55,14 @@ CPU_GEMM_PATHS = ("torch", "onednn", "onednn-fp32", "kernel", "amx")
 class Linear(nn.Module):
     """y = x @ W.T + b. `weight` is [out_features, in_features], as in HF checkpoints.
 
-    `gemm` is the product to call; F.linear until `choose_cpu_gemms` picks a packed path."""
+    `gemm` is the product to call; F.linear until `choose_cpu_gemms` picks a packed path.
+    silu_and_mul: the layer is an MLP's gate_up (gate rows, then up rows) and returns
+    silu(gate) * up [..., out_features // 2]; on the `kernel` path gemm.c applies it to the
+    product's tiles, so gate_up is never stored (elsewhere it is a pass after the product)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool, silu_and_mul: bool = False):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.silu_and_mul = in_features, out_features, silu_and_mul
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.gemm: Optional[Gemm] = None
@@ -67,28 +70,42 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.gemm is not None:
             return self.gemm(x)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return apply_silu_and_mul(y) if self.silu_and_mul else y
 
     def use_gemm(self, path: str, keep_weight: bool) -> None:
         """Multiply with `path` from now on; drop the unpacked weight unless it is needed."""
         if path == "torch":
             self.gemm = None
             return
-        self.gemm = make_gemm(path, self.weight.detach(), self.bias)
+        self.gemm = make_gemm(path, self.weight.detach(), self.bias, self.silu_and_mul)
         if not keep_weight:   # the packed copy replaces it: same memory as before packing
             self.weight = None
 
 
-def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor]) -> Gemm:
-    """The product x -> x @ weight.T + bias along `path`. Raises RuntimeError where this
-    machine's oneDNN cannot do it (e.g. bf16 without AVX-512 or AVX-NE-CONVERT)."""
-    if path == "torch":
-        return lambda x: F.linear(x, weight, bias)
+def apply_silu_and_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up from a gate_up product [..., 2 * intermediate], gate first (HF's
+    act_fn(gate) * up): csrc/silu_and_mul.c's one pass where the CPU kernels run, else torch."""
+    out = cpu_kernels.silu_and_mul(gate_up)
+    if out is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out
+
+
+def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False) -> Gemm:
+    """The product x -> x @ weight.T + bias along `path` (silu_and_mul: then silu(gate) * up of
+    it, as Linear's). Raises RuntimeError where this machine's oneDNN cannot do it (e.g. bf16
+    without AVX-512 or AVX-NE-CONVERT)."""
     if path == "kernel":
-        return KernelGemm(weight, bias)
-    if path == "amx":
-        return AmxGemm(weight, bias)
-    return PackedGemm(weight, bias, torch.float32 if path == "onednn-fp32" else weight.dtype)
+        return KernelGemm(weight, bias, silu_and_mul)
+    if path == "torch":
+        gemm = lambda x: F.linear(x, weight, bias)   # noqa: E731
+    elif path == "amx":
+        gemm = AmxGemm(weight, bias)
+    else:
+        gemm = PackedGemm(weight, bias, torch.float32 if path == "onednn-fp32" else weight.dtype)
+    return (lambda x: apply_silu_and_mul(gemm(x))) if silu_and_mul else gemm
 
 
 class PackedGemm:
@@ -108,15 +125,17 @@ class PackedGemm:
 
 
 class KernelGemm:
-    """x @ W.T + b with csrc/gemm.c, W packed once into its panels (cpu_kernels.gemm_pack)."""
+    """x @ W.T + b with csrc/gemm.c, W packed once into its panels (cpu_kernels.gemm_pack);
+    silu_and_mul: silu(gate) * up of it, in the same pass."""
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor]):
-        self.packed, self.bias = cpu_kernels.gemm_pack(weight.detach(), bias)
-        self.out_features = weight.shape[0]
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
+        self.packed, self.bias = cpu_kernels.gemm_pack(weight.detach(), bias, silu_and_mul)
+        self.silu_and_mul = silu_and_mul
+        self.out_features = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
         self.nbytes = self.packed.numel() * self.packed.element_size()
 
     def __call__(self, x: Tensor) -> Tensor:
-        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features)
+        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul)
 
 
 class AmxGemm:
@@ -192,14 +211,15 @@ def _interleaved_seconds(gemms: dict[str, Gemm], x: Tensor, repeats: int) -> dic
 
 @torch.inference_mode()
 def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
-               paths: Iterable[str], repeats: int = 3) -> dict[str, float]:
+               paths: Iterable[str], repeats: int = 3, silu_and_mul: bool = False) -> dict[str, float]:
     """Each path's cost over `rows`: the sum, over the row counts, of its best time divided by
-    the fastest path's (1.0 per row count = always the fastest). Paths this machine cannot run
-    are left out. Relative, so a 512-row product does not drown out the 1-row decode."""
+    the fastest path's (1.0 per row count = always the fastest), silu_and_mul included where the
+    layer has it. Paths this machine cannot run are left out. Relative, so a 512-row product
+    does not drown out the 1-row decode."""
     gemms = {}
     for path in paths:
         try:
-            gemms[path] = make_gemm(path, weight, bias)
+            gemms[path] = make_gemm(path, weight, bias, silu_and_mul)
         except RuntimeError:      # oneDNN without support for this dtype here
             continue
     cost = dict.fromkeys(gemms, 0.0)
@@ -223,16 +243,16 @@ def choose_cpu_gemms(layers: Iterable[tuple[Linear, Iterable[int]]], forced: str
     chosen: dict[tuple, str] = {}
     for layer, rows in layers:
         w = layer.weight
-        key = (w.shape[1], w.shape[0], w.dtype, layer.bias is not None)
+        key = (w.shape[1], w.shape[0], w.dtype, layer.bias is not None, layer.silu_and_mul)
         if key not in chosen:
             paths = candidate_paths(w.dtype)
             if forced != "auto":
                 paths = [p for p in paths if p == forced] or ["torch"]
-            cost = time_paths(w.detach(), layer.bias, rows, paths) or {"torch": 0.0}
+            cost = time_paths(w.detach(), layer.bias, rows, paths, silu_and_mul=layer.silu_and_mul) or {"torch": 0.0}
             chosen[key] = min(cost, key=cost.get)
         layer.use_gemm(chosen[key], keep_weight=id(w) in shared)
-    return {f"{i}x{o} {str(d).removeprefix('torch.')}": path
-            for (i, o, d, _), path in chosen.items()}
+    return {f"{i}x{o} {str(d).removeprefix('torch.')}{' silu_and_mul' if act else ''}": path
+            for (i, o, d, _, act), path in chosen.items()}
 
 
 def gemm_peak(path: str, dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int = 512,

@@ -34,7 +34,6 @@ import math
 from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nanoserve import cpu_kernels
@@ -206,16 +205,12 @@ class LlamaMLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama family uses 'silu')")
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        # Returns silu(gate) * up, not gate_up: the C GEMM applies it to its tiles (linear.py).
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, silu_and_mul=True)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias and tp.rank == 0)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
-        hidden = cpu_kernels.silu_and_mul(gate_up)   # one C pass; None if not here
-        if hidden is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.silu(gate) * up
-        out = self.down_proj(hidden)
+        out = self.down_proj(self.gate_up_proj(x))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
