@@ -28,22 +28,16 @@
    Rapids' flags); in the 64-request bench workload, 4.3-5.1 -> 2.0 s.
    A tile's query goes into the lanes, and its output back into rows, by AVX-512 gathers (not
    value by value through memory, which stalled each vector load on 16 narrow stores: together
-   ~26% of the kernel). With 16 keys a step in the bf16 loop (PAIR_CHUNK), bf16 1.17-1.24x (four
-   runs of the six prompts below, 30 layers' caches cycled, Zen 4 "AMD EPYC" family 25 model 17),
-   float32 0.99-1.04x.
-   Keys go CHUNK (or PAIR_CHUNK) positions at a time; the causal mask only touches chunks past
-   the tile's first position (token r at position first + r sees keys 0..first + r).
+   ~26% of the kernel in bf16).
+   Keys go CHUNK positions at a time; the causal mask only touches chunks past the tile's first
+   position (token r at position first + r sees keys 0..first + r).
 
    Worked example, LANES 4, a 6-token prompt: tiles are tokens 0-3 and 4-5 (lanes 2-3 idle);
    tile 0 reads keys 0..3 and masks key 3 for tokens 0, 1, 2, key 2 for 0, 1, key 1 for 0.
 */
 #include "cpu_kernels.h"
 
-/* Key positions per step, a score vector each in registers beside a query vector: CHUNK in the
-   float loops (AVX2 has 16 registers; on AVX-512, 16 keys took 9% longer in float32), PAIR_CHUNK
-   in the bf16 pairs loop (AVX-512 only), whose weighted sum then reads, rescales and writes each
-   output vector once per 16 keys instead of 8: 4% less time (Zen 4, six prompts of 52-487). */
-enum { CHUNK = 8, PAIR_CHUNK = 16 };
+enum { CHUNK = 8 }; /* key positions per step: CHUNK score vectors + one query vector in registers */
 
 /* One KV head's row (`offset` into the cached row of every KV head) as float32: fp32 in place,
    bf16 widened into `buf`. */
@@ -119,11 +113,10 @@ static inline __m512i weight_pairs(vfloat key_c, vfloat key_next) {
 #endif
 
 /* One task: query head `qh` of `rows` (<= LANES) consecutive tokens of one request, the first at
-   flat row `row0` and position `first`. qt, ot: head_dim vectors of scratch; kbuf, vbuf:
-   PAIR_CHUNK widened K and V rows of one head (bf16 only). */
-static inline __attribute__((always_inline)) void
-attend_chunks(const Seq *s, const void *query, void *out, int64_t row0, int rows, int first, int qh,
-              float scale, vfloat *qt, vfloat *ot, float *kbuf, float *vbuf, const int chunk) {
+   flat row `row0` and position `first`. qt, ot: head_dim vectors of scratch; kbuf, vbuf: CHUNK
+   widened K and V rows of one head (bf16 only). */
+static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0, int rows,
+                        int first, int qh, float scale, vfloat *qt, vfloat *ot, float *kbuf, float *vbuf) {
     const int hd = s->head_dim, q_row = s->num_kv_heads * s->group * hd, kv_row = s->num_kv_heads * hd;
     const int kv_offset = (qh / s->group) * hd, key_end = first + rows;
     for (int d = 0; d < hd; d++) qt[d] = ot[d] = splat(0.f);
@@ -139,10 +132,10 @@ attend_chunks(const Seq *s, const void *query, void *out, int64_t row0, int rows
     vint32 position = {0};
     for (int r = 0; r < LANES; r++) position[r] = first + r;
     vfloat max_score = splat(-FLT_MAX), total = splat(0.f);
-    for (int p0 = 0; p0 < key_end; p0 += chunk) {
-        const float *k[PAIR_CHUNK], *v[PAIR_CHUNK];
+    for (int p0 = 0; p0 < key_end; p0 += CHUNK) {
+        const float *k[CHUNK], *v[CHUNK];
         int block = p0 / s->block_size, offset = p0 % s->block_size;   /* one division a chunk */
-        for (int c = 0; c < chunk; c++, offset++) {
+        for (int c = 0; c < CHUNK; c++, offset++) {
             if (offset == s->block_size) block++, offset = 0;
             /* past key_end: any valid row (the first), masked below */
             const int64_t slot = p0 + c < key_end ? (int64_t)s->table[block] * s->block_size + offset
@@ -152,35 +145,35 @@ attend_chunks(const Seq *s, const void *query, void *out, int64_t row0, int rows
             v[c] = pairs ? (const float *)((const uint16_t *)s->v_cache + slot * kv_row + kv_offset)
                          : head_row(s->v_cache, slot, kv_row, kv_offset, hd, s->bf16, vbuf + c * hd);
         }
-        vfloat score[PAIR_CHUNK];
-        for (int c = 0; c < chunk; c++) score[c] = splat(0.f);
+        vfloat score[CHUNK];
+        for (int c = 0; c < CHUNK; c++) score[c] = splat(0.f);
 #ifdef DPBF16
         if (pairs) {   /* k[c]: the cached bf16 row itself, read as hd / 2 pairs */
             for (int i = 0; i < hd / 2; i++) {
                 const __m512bh q = (__m512bh)(__m512i)qt[i];
-                for (int c = 0; c < chunk; c++)
+                for (int c = 0; c < CHUNK; c++)
                     score[c] = (vfloat)_mm512_dpbf16_ps((__m512)score[c], q,
                                                         (__m512bh)_mm512_set1_epi32(((const int32_t *)k[c])[i]));
             }
-            for (int c = 0; c < chunk; c++) score[c] *= scale;
+            for (int c = 0; c < CHUNK; c++) score[c] *= scale;
         } else
 #endif
         for (int d = 0; d < hd; d++) {
             const vfloat q = qt[d];
-            for (int c = 0; c < chunk; c++) score[c] += q * k[c][d];
+            for (int c = 0; c < CHUNK; c++) score[c] += q * k[c][d];
         }
-        const vfloat rescale = online_softmax(score, chunk, p0, first, position, &max_score, &total);
+        const vfloat rescale = online_softmax(score, CHUNK, p0, first, position, &max_score, &total);
 #ifdef DPBF16
         if (pairs) {   /* keys c and c + 1 at once: their bf16 weights and V values in each lane */
             uint32_t *v_pairs = (uint32_t *)vbuf;   /* [c / 2][d]: V rows c and c + 1, dimension d */
-            for (int c = 0; c < chunk; c += 2)
+            for (int c = 0; c < CHUNK; c += 2)
                 for (int d = 0; d < hd; d++)
                     v_pairs[c / 2 * hd + d] = ((const uint16_t *)v[c])[d] | (uint32_t)((const uint16_t *)v[c + 1])[d] << 16;
-            __m512bh weights[PAIR_CHUNK / 2];
-            for (int c = 0; c < chunk; c += 2) weights[c / 2] = (__m512bh)weight_pairs(score[c], score[c + 1]);
+            __m512bh weights[CHUNK / 2];
+            for (int c = 0; c < CHUNK; c += 2) weights[c / 2] = (__m512bh)weight_pairs(score[c], score[c + 1]);
             for (int d = 0; d < hd; d++) {
                 __m512 o = (__m512)(ot[d] * rescale);
-                for (int c = 0; c < chunk / 2; c++)
+                for (int c = 0; c < CHUNK / 2; c++)
                     o = _mm512_dpbf16_ps(o, weights[c], (__m512bh)_mm512_set1_epi32((int)v_pairs[c * hd + d]));
                 ot[d] = (vfloat)o;
             }
@@ -189,22 +182,11 @@ attend_chunks(const Seq *s, const void *query, void *out, int64_t row0, int rows
 #endif
         for (int d = 0; d < hd; d++) {
             vfloat o = ot[d] * rescale;
-            for (int c = 0; c < chunk; c++) o += score[c] * v[c][d];
+            for (int c = 0; c < CHUNK; c++) o += score[c] * v[c][d];
             ot[d] = o;
         }
     }
     store_tile(out, ot, total, row0, rows, q_row, qh, hd, s->bf16);
-}
-
-static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0, int rows, int first,
-                        int qh, float scale, vfloat *qt, vfloat *ot, float *kbuf, float *vbuf) {
-#ifdef DPBF16
-    if (s->bf16 && s->head_dim % 2 == 0) {
-        attend_chunks(s, query, out, row0, rows, first, qh, scale, qt, ot, kbuf, vbuf, PAIR_CHUNK);
-        return;
-    }
-#endif
-    attend_chunks(s, query, out, row0, rows, first, qh, scale, qt, ot, kbuf, vbuf, CHUNK);
 }
 
 #ifdef AMX
@@ -315,7 +297,7 @@ int prefill_attention(const void *query, void *out, const void *k_cache, const v
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
-        const size_t vectors = sizeof(vfloat) * 2 * head_dim, rows = sizeof(float) * 2 * PAIR_CHUNK * head_dim;
+        const size_t vectors = sizeof(vfloat) * 2 * head_dim, rows = sizeof(float) * 2 * CHUNK * head_dim;
         vfloat *qt = aligned_alloc(sizeof(vfloat), vectors);
         float *kbuf = malloc(rows);
         if (!qt || !kbuf) failed = 1;
@@ -338,7 +320,7 @@ int prefill_attention(const void *query, void *out, const void *k_cache, const v
             }
 #endif
             attend_tile(&s, query, out, query_start[i] + j, rows, seq_lens[i] - query_len[i] + j, qh,
-                        scale, qt, qt + head_dim, kbuf, kbuf + PAIR_CHUNK * head_dim);
+                        scale, qt, qt + head_dim, kbuf, kbuf + CHUNK * head_dim);
         }
 #ifdef AMX
         if (vt) _tile_release();
