@@ -10,7 +10,8 @@ code it replaces (which stays the fallback, and the only path on CUDA):
     prefill_attention.c  every other request (prefill, chunked prefill, prefix hit): compute-bound,
                          a flash-attention loop with the query tokens in the vector lanes; on a
                          CPU with AMX (bf16), its two products in AMX tiles (~2.2x faster).
-    rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings.
+    rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings (gemm.c
+                         runs the same row loop on the rows it multiplies: Linear's `norm`).
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
     silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads (on
                          paths other than gemm.c's, which applies it to its gate_up tiles).
@@ -125,7 +126,8 @@ def load():
     kernels.gemm_pack.restype = None
     kernels.gemm.restype = ctypes.c_int
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    kernels.gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 6
+    kernels.gemm.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
+                             + [ctypes.c_int] * 6)
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
     kernels.gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
@@ -258,16 +260,24 @@ def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple
     return weight, None if bias is None else torch.cat([bias.detach(), bias.new_zeros(1)])[order]
 
 
-def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mul: bool = False) -> Tensor:
+def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mul: bool = False,
+         norm: Optional[tuple[Tensor, float]] = None, residual: Optional[Tensor] = None) -> Tensor:
     """gemm.c: x [..., in] @ W.T + b, with W and b as `gemm_pack` packed them; in W's dtype (the
     model's rows already are). silu_and_mul (W packed with it; out_features: the intermediate
-    size): silu(gate) * up of that product, as `silu_and_mul` computes it, without storing gate_up."""
+    size): silu(gate) * up of that product, as `silu_and_mul` computes it, without storing gate_up.
+    norm (weight, eps): the product of `rms_norm(x, residual, weight, eps)` instead of x (residual,
+    if given, updated in place the same way), without storing the normalised rows."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
+    weight, eps = norm if norm is not None else (None, 0.0)
+    given = [t for t in (residual, weight) if t is not None]
+    if not _takes(rows, *given) or (residual is not None and residual.shape != rows.shape):
+        raise ValueError("gemm's residual and norm weight must be contiguous, in the rows' dtype")
     out = rows.new_empty(rows.shape[0], out_features)
-    if load().gemm(rows.data_ptr(), packed.data_ptr(), bias.data_ptr(), out.data_ptr(), rows.shape[0],
-                   out_features, rows.shape[1], int(rows.dtype == torch.bfloat16), int(silu_and_mul),
-                   torch.get_num_threads()):
-        raise MemoryError(f"gemm.c could not allocate its copy of x ({rows.shape[0]} x {rows.shape[1]})")
+    if load().gemm(rows.data_ptr(), None if residual is None else residual.data_ptr(),
+                   None if weight is None else weight.data_ptr(), eps, packed.data_ptr(), bias.data_ptr(),
+                   out.data_ptr(), rows.shape[0], out_features, rows.shape[1],
+                   int(rows.dtype == torch.bfloat16), int(silu_and_mul), torch.get_num_threads()):
+        raise MemoryError(f"gemm.c could not allocate its copies of x ({rows.shape[0]} x {rows.shape[1]})")
     return out.view(*x.shape[:-1], out_features)
 
 

@@ -261,6 +261,39 @@ def test_every_cpu_gemm_path_with_silu_and_mul_equals_torch(dtype, intermediate,
             assert dtype == torch.float32 or (out == expected).float().mean() > 0.95, path
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_every_cpu_gemm_path_with_norm_equals_norm_then_product(dtype, with_residual):
+    """Linear's `norm`: the product of RMSNorm(x + residual) on every path this machine runs
+    (gemm.c normalises the rows as it copies them), against the norm and then F.linear, with the
+    residual updated in place to the same bits. in_features 97: a row's last values go one by one,
+    and bf16 pairs an odd count."""
+    from nanoserve.models import llama
+    gen = torch.Generator().manual_seed(3)
+    norm = llama.RMSNorm(97, 1e-5).to(dtype)
+    layer = linear.Linear(97, 40, bias=True).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(97, generator=gen) + 0.5)
+        layer.weight.copy_(torch.randn(40, 97, generator=gen) / 8)
+        layer.bias.copy_(torch.randn(40, generator=gen))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=2**-7)
+    for path in linear.candidate_paths(dtype):
+        try:
+            layer.use_gemm(path, keep_weight=True)
+        except RuntimeError:        # e.g. oneDNN bf16 on a CPU without AVX-512
+            continue
+        for rows in (1, 7, 64, 300):
+            x = (3 * torch.randn(rows, 97, generator=gen)).to(dtype)
+            residual = torch.randn(rows, 97, generator=gen).to(dtype) if with_residual else None
+            theirs = None if residual is None else residual.clone()
+            with torch.inference_mode():
+                out = layer(x, norm, residual)
+                normed = norm(x) if theirs is None else norm(x, theirs)[0]
+                expected = torch.nn.functional.linear(normed, layer.weight, layer.bias)
+            torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"{path}, {rows} rows: {m}")
+            assert residual is None or torch.equal(residual, theirs), path
+
+
 @pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
 @pytest.mark.parametrize("shape", [(17, 32), (40, 96), (100, 64)])
 def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):
@@ -340,6 +373,8 @@ def test_rms_norm_kernel_equals_torch(dtype, rows, dim, monkeypatch):
     # bf16: the sum of squares is added in another order, so a value may land one bf16 step away.
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
     torch.testing.assert_close(kernel_residual, x + residual, atol=0, rtol=0)
+    given = residual.clone()                        # both paths update the residual in place
+    assert norm(x, given)[1] is given and torch.equal(given, torch_residual)
     torch.testing.assert_close(kernel_residual, torch_residual, atol=0, rtol=0)
     torch.testing.assert_close(kernel_plain, torch_plain, **tol)
     torch.testing.assert_close(kernel_out, torch_out, **tol)

@@ -197,19 +197,30 @@ static void pack_rows(const void *x, uint32_t *xp, int M, int K, int units, int 
 }
 
 /* x: M x K and y: M x N, contiguous; bias: float32, padded to whole panels (zeros if none).
+   norm_weight (or NULL): the product is of RMSNorm(x + residual) with that weight and eps, as
+   rms_norm.c computes it (residual, if not NULL, updated in place to x + residual), each tile's
+   rows normalised just before they are copied, so they are never stored for a separate pass.
    Returns 0, or 1 when out of memory. */
-int gemm(const void *x, const void *packed, const float *bias, void *y, int M, int N,
-         int K, int bf16, int silu_and_mul, int num_threads) {
+int gemm(const void *x, void *residual, const void *norm_weight, float eps, const void *packed,
+         const float *bias, void *y, int M, int N, int K, int bf16, int silu_and_mul, int num_threads) {
     const int width = silu_and_mul ? PANEL / 2 : PANEL;   /* y's columns per panel */
     const int panels = (N + width - 1) / width, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int units = bf16 ? (K + 1) / 2 : K, row_tiles = (M + MR - 1) / MR;
     const int64_t size = bf16 ? 2 : 4, panel_elems = (int64_t)units * (bf16 ? 2 : 1) * PANEL;
     uint32_t *xp = malloc(sizeof(uint32_t) * ((size_t)row_tiles * MR * units + 1));   /* + 1: M = 0 */
-    if (!xp) return 1;
+    char *normed = norm_weight ? malloc((size_t)M * K * size + 1) : NULL;
+    if (!xp || (norm_weight && !normed)) { free(xp); free(normed); return 1; }
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int t = 0; t < row_tiles; t++) pack_rows(x, xp, M, K, units, bf16, t);
+        for (int t = 0; t < row_tiles; t++) {
+            for (int r = t * MR; normed && r < M && r < (t + 1) * MR; r++) {
+                float row[K];
+                if (bf16) rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 1, row);
+                else rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 0, row);
+            }
+            pack_rows(normed ? normed : x, xp, M, K, units, bf16, t);
+        }
 #pragma omp for collapse(2) schedule(static)
         for (int block = 0; block < blocks; block++)
             for (int p = 0; p < panels; p++) {
@@ -234,6 +245,7 @@ int gemm(const void *x, const void *packed, const float *bias, void *y, int M, i
             }
     }
     free(xp);
+    free(normed);
     return 0;
 }
 

@@ -58,7 +58,10 @@ class Linear(nn.Module):
     `gemm` is the product to call; F.linear until `choose_cpu_gemms` picks a packed path.
     silu_and_mul: the layer is an MLP's gate_up (gate rows, then up rows) and returns
     silu(gate) * up [..., out_features // 2]; on the `kernel` path gemm.c applies it to the
-    product's tiles, so gate_up is never stored (elsewhere it is a pass after the product)."""
+    product's tiles, so gate_up is never stored (elsewhere it is a pass after the product).
+    forward's `norm` (an RMSNorm) and `residual`: multiply norm(x, residual) instead of x (the
+    residual updated in place to x + residual, as the norm does); on the `kernel` path gemm.c
+    normalises the rows as it copies them, so they are never stored either."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, silu_and_mul: bool = False):
         super().__init__()
@@ -67,7 +70,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.gemm: Optional[Gemm] = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None) -> Tensor:
+        if norm is not None:
+            if isinstance(self.gemm, KernelGemm):
+                return self.gemm(x, (norm.weight, norm.eps), residual)
+            x = norm(x) if residual is None else norm(x, residual)[0]
         if self.gemm is not None:
             return self.gemm(x)
         y = F.linear(x, self.weight, self.bias)
@@ -134,8 +141,10 @@ class KernelGemm:
         self.out_features = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
         self.nbytes = self.packed.numel() * self.packed.element_size()
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul)
+    def __call__(self, x: Tensor, norm: Optional[tuple[Tensor, float]] = None,
+                 residual: Optional[Tensor] = None) -> Tensor:
+        """norm (weight, eps), residual: see cpu_kernels.gemm."""
+        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul, norm, residual)
 
 
 class AmxGemm:

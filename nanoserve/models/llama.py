@@ -43,8 +43,9 @@ from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_
 
 
 class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm. Given a `residual`, it first adds x to it (vLLM's fused_add_rms_norm:
-    the residual stream is updated, then normalised) and returns (normalised, new residual)."""
+    """HF's LlamaRMSNorm. Given a `residual`, it first adds x to it in place (vLLM's
+    fused_add_rms_norm: the residual stream is updated, then normalised) and returns
+    (normalised, residual)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -55,7 +56,7 @@ class RMSNorm(nn.Module):
         out = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)   # one C pass; None if not here
         if out is None:
             if residual is not None:
-                residual = x = x + residual
+                x = residual.add_(x)
             # Normalise in float32 (bf16 squares lose too much), scale in the model dtype, as HF does.
             x32 = x.float()
             x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -178,9 +179,11 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, rope, hidden, kv_cache: tuple[Tensor, Tensor], attn_metadata) -> Tensor:
+    def forward(self, rope, hidden, kv_cache: tuple[Tensor, Tensor], attn_metadata, norm=None,
+                residual=None) -> Tensor:
+        """norm, residual: applied to hidden first, inside qkv_proj (Linear's `norm`)."""
         n, k_cache, v_cache = hidden.shape[0], *kv_cache
-        qkv = self.qkv_proj(hidden)
+        qkv = self.qkv_proj(hidden, norm, residual)
         # On CPU one C pass does the rest up to attention (RoPE, store_kv); Qwen3's q/k norms go first.
         q = None if self.qk_norm else cpu_kernels.rope_store_kv(
             qkv, rope, attn_metadata.slot_mapping, k_cache, v_cache, self.num_heads)
@@ -209,8 +212,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, silu_and_mul=True)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias and tp.rank == 0)
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.down_proj(self.gate_up_proj(x))
+    def forward(self, x: Tensor, norm=None, residual=None) -> Tensor:
+        """norm, residual: applied to x first, inside gate_up_proj (Linear's `norm`)."""
+        out = self.down_proj(self.gate_up_proj(x, norm, residual))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
@@ -225,14 +229,12 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope, hidden, residual, kv_cache, attn_metadata) -> tuple[Tensor, Tensor]:
         """vLLM's layout of the residual stream: `hidden` is the previous layer's MLP output and
         `residual` the sum before it (None in layer 0, whose input is the embedding), so each norm
-        also does the add before it: (this layer's MLP output, the residual before it)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        also does the add before it, in place: (this layer's MLP output, the residual before it).
+        Each norm runs inside the product after it (qkv_proj, gate_up_proj: Linear's `norm`),
+        which on the C GEMM path never stores the normalised rows."""
+        out = self.self_attn(rope, hidden, kv_cache, attn_metadata, self.input_layernorm, residual)
+        residual = hidden if residual is None else residual   # now the sum, either way
+        return self.mlp(out, self.post_attention_layernorm, residual), residual
 
 
 class LlamaModel(nn.Module):
