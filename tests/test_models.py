@@ -252,13 +252,16 @@ def test_every_cpu_gemm_path_with_silu_and_mul_equals_torch(dtype, intermediate,
             gemm = linear.make_gemm(path, weight, bias, silu_and_mul=True)
         except RuntimeError:        # e.g. oneDNN bf16 on a CPU without AVX-512
             continue
+        same = []
         for rows in (1, 7, 64, 300):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
             gate, up = torch.nn.functional.linear(x, weight, bias).chunk(2, dim=-1)
             expected, out = torch.nn.functional.silu(gate) * up, gemm(x)
             assert out.dtype == dtype and out.shape == (rows, intermediate) and out.is_contiguous(), path
             torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"{path}, {rows} rows: {m}")
-            assert dtype == torch.float32 or (out == expected).float().mean() > 0.95, path
+            same.append((out == expected).flatten())
+        # Over all row counts: a single row of 24 values has too few for a fraction.
+        assert dtype == torch.float32 or torch.cat(same).float().mean() > 0.95, path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -112,7 +112,17 @@ def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: b
         gemm = AmxGemm(weight, bias)
     else:
         gemm = PackedGemm(weight, bias, torch.float32 if path == "onednn-fp32" else weight.dtype)
-    return (lambda x: apply_silu_and_mul(gemm(x))) if silu_and_mul else gemm
+    return SiluAndMulAfter(gemm) if silu_and_mul else gemm
+
+
+class SiluAndMulAfter:
+    """A product, then apply_silu_and_mul on it: the paths whose product cannot end in it."""
+
+    def __init__(self, gemm: Gemm):
+        self.gemm, self.nbytes = gemm, getattr(gemm, "nbytes", 0)   # F.linear's holds nothing
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return apply_silu_and_mul(self.gemm(x))
 
 
 class PackedGemm:
