@@ -127,7 +127,7 @@ tile_rows(const void *x, const void *panel, const float *bias, float sums[MR][PA
     }
 }
 
-/* Lanes 0 .. LANES/2 - 1 of v and its upper half swapped (a register shuffle once compiled). */
+/* v with its lower and upper halves swapped (a register shuffle once compiled). */
 static inline vfloat halves_swapped(vfloat v) {
     vfloat swapped;
     memcpy(&swapped, (const char *)&v + sizeof v / 2, sizeof v / 2);
@@ -158,7 +158,8 @@ store_tile(const float sums[MR][PANEL], int m, void *y, int64_t ldy, int columns
             memcpy(&v[j], sums[i] + j * LANES, sizeof v[j]);
             if (bf16) v[j] = rounded_lanes(v[j]);
         }
-        const vfloat first = silu_mul_lanes(v[0], v[1], bf16), rest = silu_mul_lanes(v[2], halves_swapped(v[2]), bf16);
+        const vfloat first = silu_mul_lanes(v[0], v[1], bf16);
+        const vfloat rest = silu_mul_lanes(v[2], halves_swapped(v[2]), bf16);   /* lanes < L/2 */
         if (columns >= LANES) store_lanes(row, first, bf16);
         else for (int n = 0; n < columns; n++) store_at(row, n, first[n], bf16);
         for (int n = LANES; n < columns; n++) store_at(row, n, rest[n - LANES], bf16);

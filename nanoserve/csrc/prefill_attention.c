@@ -81,7 +81,8 @@ static void store_tile(void *out, const vfloat *ot, vfloat total, int64_t row0, 
         const __m512i lane_apart = _mm512_mullo_epi32(
             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(LANES));
         for (; d + LANES <= hd; d += LANES)
-            store_lanes(dest + d * size, (vfloat)_mm512_i32gather_ps(lane_apart, (const float *)(ot + d) + r, 4) * inverse[r], bf16);
+            store_lanes(dest + d * size,
+                        (vfloat)_mm512_i32gather_ps(lane_apart, (const float *)(ot + d) + r, 4) * inverse[r], bf16);
 #endif
         for (; d < hd; d++) store_at(dest, d, ot[d][r] * inverse[r], bf16);
     }

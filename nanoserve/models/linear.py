@@ -70,7 +70,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.gemm: Optional[Gemm] = None
 
-    def forward(self, x: Tensor, norm: Optional[nn.Module] = None, residual: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, norm: Optional[nn.Module] = None,
+                residual: Optional[Tensor] = None) -> Tensor:
         if norm is not None:
             if isinstance(self.gemm, KernelGemm):
                 return self.gemm(x, (norm.weight, norm.eps), residual)
@@ -154,7 +155,8 @@ class KernelGemm:
     def __call__(self, x: Tensor, norm: Optional[tuple[Tensor, float]] = None,
                  residual: Optional[Tensor] = None) -> Tensor:
         """norm (weight, eps), residual: see cpu_kernels.gemm."""
-        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul, norm, residual)
+        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul,
+                                norm, residual)
 
 
 class AmxGemm:
@@ -267,7 +269,8 @@ def choose_cpu_gemms(layers: Iterable[tuple[Linear, Iterable[int]]], forced: str
             paths = candidate_paths(w.dtype)
             if forced != "auto":
                 paths = [p for p in paths if p == forced] or ["torch"]
-            cost = time_paths(w.detach(), layer.bias, rows, paths, silu_and_mul=layer.silu_and_mul) or {"torch": 0.0}
+            cost = (time_paths(w.detach(), layer.bias, rows, paths, silu_and_mul=layer.silu_and_mul)
+                    or {"torch": 0.0})
             chosen[key] = min(cost, key=cost.get)
         layer.use_gemm(chosen[key], keep_weight=id(w) in shared)
     return {f"{i}x{o} {str(d).removeprefix('torch.')}{' silu_and_mul' if act else ''}": path
