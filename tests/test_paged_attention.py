@@ -121,6 +121,26 @@ def test_cpu_decode_kernel_is_built_here():
     assert cpu_kernels.load() is not None
 
 
+@pytest.mark.parametrize("march", ["sapphirerapids", "x86-64-v3", "x86-64"])
+def test_cpu_kernels_compile_for_other_x86_machines(march, tmp_path):
+    """Each kernel source compiles (-Werror) for the vector units of machines other than this one:
+    Sapphire Rapids (AVX-512 with AVX512-BF16 and AMX: the code under #ifdef AMX), AVX2, and
+    SSE. Why: a kernel that breaks only where this CPU does not build it disables every kernel
+    there; a second `pack_rows` in gemm.c did exactly that on AMX CPUs (seen only here)."""
+    compiler = os.environ.get("CC", "cc")
+    if not sys.platform.startswith("linux") or shutil.which(compiler) is None:
+        pytest.skip("the C kernels need Linux and a C compiler")
+    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS]
+    probe = subprocess.run([compiler, f"-march={march}", "-x", "c", "-c", "-", "-o", str(tmp_path / "p.o")],
+                           input="int x;", capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"{compiler} does not know -march={march}")
+    for source in cpu_kernels.SOURCES:
+        built = subprocess.run([compiler, *flags, "-c", str(source), "-o", str(tmp_path / "k.o")],
+                               capture_output=True, text=True)
+        assert built.returncode == 0, f"{source.name}, -march={march}:\n{built.stderr}"
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch-fallback"])
 @pytest.mark.parametrize("head_dim", [64, 128, 40, 42])

@@ -269,7 +269,7 @@ int gemm(const void *x, void *residual, const void *norm_weight, float eps, cons
 
 /* x [M, K] as AMX right operands: xb[mb][kc] = 16 pairs x 16 rows of uint32 (bf16 x[m][2p], x[m][2p+1]),
    rows past M zero. */
-static void pack_rows(const uint16_t *x, uint32_t *xb, int M, int K, int mb) {
+static void pack_rows_amx(const uint16_t *x, uint32_t *xb, int M, int K, int mb) {
     const int chunks = K / 32;
     const uint32_t *pairs = (const uint32_t *)x;
     for (int kc = 0; kc < chunks; kc++) {
@@ -347,7 +347,7 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int mb = 0; mb < mblocks; mb++) pack_rows(x, xb, M, K, mb);
+        for (int mb = 0; mb < mblocks; mb++) pack_rows_amx(x, xb, M, K, mb);
         amx_configure((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
         const int t = omp_get_thread_num(), threads = omp_get_num_threads();
         const int first = (int)((int64_t)nblocks * t / threads), end = (int)((int64_t)nblocks * (t + 1) / threads);
