@@ -85,6 +85,14 @@ typedef uint32_t vuint32 __attribute__((vector_size(4 * LANES)));
 typedef uint16_t vuint16 __attribute__((vector_size(2 * LANES)));
 typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
 
+#if LANES == 16
+/* {0, stride, 2 stride, ..., 15 stride}: the offsets of a gather or scatter, one per lane. */
+static inline __m512i lane_offsets(int stride) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32(stride));
+}
+#endif
+
 /* AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids): `vdpbf16ps` multiplies bf16 pairs and adds
    both products into float32 lanes. gemm.c and the bf16 attention kernels use it where the
    compiler targets it (with AVX512-BW, which every such CPU has, for the 16-bit shuffles that

@@ -23,17 +23,18 @@
    tile keeps MR rows x PANEL columns of y in registers (float32) over the whole of K, then stores
    them (bf16: rounded once, to nearest even, as oneDNN and torch round a bf16 product). The panel
    stays in L2 across the row tiles.
+   Why copy x: read in place, the MR rows are MR pointers, more than the registers left beside the
+   accumulators, so the loop reloaded them from the stack at every k: bf16, the bench model's four
+   shapes, 30 layers cycled, 512 rows: 368 -> 399 GFLOP/s (of ~460 for the dot products alone), 38
+   rows 360 -> 377; float32 unchanged (Zen 4 "AMD EPYC" family 25 model 17, avx512_bf16, two
+   builds alternated in one process, 9 rounds). The copy is also where an RMSNorm before the
+   product runs (gemm's norm_weight), on each tile's rows just before they are copied.
    The MLP's gate_up product can end in silu(gate) * up instead (`silu_and_mul`): its weight is
    packed with each gate column in the same panel as its up column (store_tile says how), so the
    tile applies the activation to its sums and stores half as many columns, and gate_up is never
    written out for silu_and_mul.c to read back: the MLP of 30 layers cycled, bf16, 1.07x / 1.03x /
    1.01x at 8 / 38 / 2,048 rows, float32 1.04x / 1.01x / 1.02x (alternating, one process, Zen 4
    "AMD EPYC" family 25 model 17).
-   Why copy x: read in place, the MR rows are MR pointers, more than the registers left beside the
-   accumulators, so the loop reloaded them from the stack at every k: bf16, the bench model's four
-   shapes, 30 layers cycled, 512 rows: 368 -> 399 GFLOP/s (of ~460 for the dot products alone), 38
-   rows 360 -> 377; float32 unchanged (Zen 4 "AMD EPYC" family 25 model 17, avx512_bf16, two
-   builds alternated in one process, 9 rounds).
 */
 #include "cpu_kernels.h"
 
@@ -50,7 +51,8 @@ int gemm_panel_width(void) { return PANEL; }
 
 static inline vfloat broadcast(float x) { return x - (vfloat){}; }
 
-/* m (<= MR) rows of x (one row tile of xp) times one panel, into y; `bf16` and `m` constants once inlined.
+/* m (<= MR) rows of x (one row tile of xp) times one panel, into `sums` (store_tile then stores
+   them); `bf16` and `m` constants once inlined.
    `next`: the next panel (or NULL), of which this tile asks L2 for every `every`-th k step from
    `phase` on, so that a block's row tiles (passes over the panel) share the prefetch of the next
    panel between them. Why: a decode step's panel comes from memory once and is then re-read from
@@ -285,8 +287,7 @@ static void pack_rows_amx(const uint16_t *x, uint32_t *xb, int M, int K, int mb)
    oneDNN rounds (to nearest even). */
 static void store_transposed(float sums[16][16], const float *bias, uint16_t *y, int M, int N,
                              int n0, int m0) {
-    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(16));
+    const __m512i column = lane_offsets(16);
     const int outputs = N - n0 < 16 ? N - n0 : 16;
     const __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << outputs) - 1), bias + n0);
     for (int r = 0; r < 16 && m0 + r < M; r++) {

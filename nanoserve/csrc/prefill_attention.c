@@ -78,11 +78,10 @@ static void store_tile(void *out, const vfloat *ot, vfloat total, int64_t row0, 
         char *dest = (char *)out + ((row0 + r) * q_row + qh * hd) * size;
         int d = 0;
 #if LANES == 16
-        const __m512i lane_apart = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(LANES));
         for (; d + LANES <= hd; d += LANES)
             store_lanes(dest + d * size,
-                        (vfloat)_mm512_i32gather_ps(lane_apart, (const float *)(ot + d) + r, 4) * inverse[r], bf16);
+                        (vfloat)_mm512_i32gather_ps(lane_offsets(LANES), (const float *)(ot + d) + r, 4) * inverse[r],
+                        bf16);
 #endif
         for (; d < hd; d++) store_at(dest, d, ot[d][r] * inverse[r], bf16);
     }
@@ -94,8 +93,7 @@ static void store_tile(void *out, const vfloat *ot, vfloat total, int64_t row0, 
    pair, lane r from token r's row (q_row / 2 pairs apart); lanes past `rows` zero. */
 static void query_pairs(vfloat *qt, const void *query, int64_t row0, int rows, int q_row, int qh, int hd) {
     const int32_t *pairs = (const int32_t *)((const uint16_t *)query + row0 * q_row + qh * hd);
-    const __m512i row_apart = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(q_row / 2));
+    const __m512i row_apart = lane_offsets(q_row / 2);
     const __mmask16 valid = (__mmask16)((1u << rows) - 1);
     for (int i = 0; i < hd / 2; i++)
         qt[i] = (vfloat)_mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_apart, pairs + i, 4);
