@@ -269,9 +269,10 @@ def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mu
     if given, updated in place the same way), without storing the normalised rows."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
     weight, eps = norm if norm is not None else (None, 0.0)
-    given = [t for t in (residual, weight) if t is not None]
-    if not _takes(rows, *given) or (residual is not None and residual.shape != rows.shape):
-        raise ValueError("gemm's residual and norm weight must be contiguous, in the rows' dtype")
+    if norm is not None:   # rows are contiguous and in W's dtype by construction; these may not be
+        extra = [weight] + ([] if residual is None else [residual])
+        if not _takes(rows, *extra) or (residual is not None and residual.shape != rows.shape):
+            raise ValueError("gemm's residual and norm weight must be contiguous, in the rows' dtype")
     out = rows.new_empty(rows.shape[0], out_features)
     if load().gemm(rows.data_ptr(), None if residual is None else residual.data_ptr(),
                    None if weight is None else weight.data_ptr(), eps, packed.data_ptr(), bias.data_ptr(),
