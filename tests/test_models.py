@@ -301,8 +301,9 @@ def test_every_cpu_gemm_path_with_norm_equals_norm_then_product(dtype, with_resi
 @pytest.mark.parametrize("shape", [(17, 32), (40, 96), (100, 64)])
 def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):
     """gemm.c's AMX loop where its tiles have edges: outputs that fill no whole block of 16 (17,
-    40, 100: the last rows come from a zero-padded copy) and row counts that leave a part-filled
-    row tile or span several passes of four (300), with a bias. Forced to the loop for every row
+    40, 100: the last rows come from a zero-padded copy; 100 is 7 blocks, so a thread's passes of
+    two end in one of one) and row counts that leave a part-filled row tile or an odd number of
+    them (300: 19), with a bias. Forced to the loop for every row
     count; within one bf16 step of the exact product, and nearly always F.linear's bits."""
     out_features, in_features = shape
     gen = torch.Generator().manual_seed(2)

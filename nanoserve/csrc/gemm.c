@@ -261,13 +261,12 @@ int gemm(const void *x, void *residual, const void *norm_weight, float eps, cons
    Why: a decode step multiplies 1-64 rows, where the product is a stream of the weight from
    memory, and oneDNN's is far from the memory's speed (the bench model, 37 rows, cold weights:
    ~85 against ~120 us for 576 x 576). Each thread streams its own contiguous rows of W, 16 at a
-   time, and asks for the rows ~PREFETCH_AHEAD bytes on before it needs them (without: ~1.5x
-   slower). K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another
+   or 32 at a time (pass_amx), and asks for the rows ~PREFETCH_AHEAD bytes on before it needs them
+   (without: ~1.5x slower). K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another
    path); N need not be a multiple of 16 (the last rows are copied into a zero-padded block). */
 #ifdef AMX
 #include <omp.h>
 #define PREFETCH_AHEAD 32768
-#define M_GROUP 4   /* row blocks of 16 per pass: 4 sum tiles, 1 of W, 3 of x = the 8 tiles */
 
 /* x [M, K] as AMX right operands: xb[mb][kc] = 16 pairs x 16 rows of uint32 (bf16 x[m][2p], x[m][2p+1]),
    rows past M zero. */
@@ -305,28 +304,51 @@ static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored ta
     }
 }
 
-/* Outputs n0..n0+15 (W rows `a`, K * 2 bytes apart) for row blocks mg..mg+count-1. `fetch` (or
-   NULL): a later block of W, below `fetch_end`, asked for 16 lines a chunk (a block is 16 lines a
-   chunk: 16 rows of 64 bytes), so that all of it is asked for by the last chunk. */
-static void block_amx(const uint16_t *a, const uint32_t *xb, int chunks, int mg, int count,
-                      const char *fetch, const char *fetch_end) {
+/* One pass over K for `ng` (1-2) blocks of 16 outputs (W rows a[0..ng), K * 2 bytes apart) times
+   `mg` (1-2) blocks of 16 rows of x from row block m0: ng * mg sum tiles, tile n * mg + m for
+   outputs block n and rows block m; W's tiles are 4 + n, x's 7 - m (8 tiles hold it all). Why two
+   by two from 17 rows on: each tdpbf16ps waits for the one before on the same sum tile, so four
+   independent sums keep the unit busier than the one to three of a single W block, and two W
+   tiles against two x tiles load one tile per product instead of two: 24 / 37 / 64 rows, the bench
+   model's five shapes, cold weights: 1.08-1.15x / 1.01-1.07x / 1.02-1.12x ("Intel Xeon" with
+   Sapphire Rapids' flags, two builds alternated in one process). Up to 16 rows (a single x block)
+   the product waits on W's stream, and one block a pass is as fast.
+   `fetch` (or NULL): later W rows, ng blocks of them below `fetch_end`, asked for 16 * ng lines a
+   chunk, so that all of them are asked for by the last chunk. */
+static inline __attribute__((always_inline)) void
+pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, const int ng,
+         const int mg, const char *fetch, const char *fetch_end) {
     _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const int64_t step = (int64_t)chunks * 256;
+    if (ng * mg > 1) _tile_zero(1);
+    if (ng * mg > 2) _tile_zero(2);
+    if (ng * mg > 3) _tile_zero(3);
+    const int64_t step = (int64_t)chunks * 256, stride = (int64_t)chunks * 64;
     for (int kc = 0; kc < chunks; kc++) {
-        for (int l = 0; fetch && l < 16; l++) {
-            const char *line = fetch + ((int64_t)kc * 16 + l) * 64;
+        for (int l = 0; fetch && l < 16 * ng; l++) {
+            const char *line = fetch + ((int64_t)kc * 16 * ng + l) * 64;
             if (line < fetch_end) __builtin_prefetch(line, 0, 3);
         }
-        _tile_loadd(4, a + kc * 32, chunks * 64);
-        const uint32_t *b = xb + (int64_t)mg * step + kc * 256;
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if (count > 1) { _tile_loadd(6, b + step, 64); _tile_dpbf16ps(1, 4, 6); }
-        if (count > 2) { _tile_loadd(7, b + 2 * step, 64); _tile_dpbf16ps(2, 4, 7); }
-        if (count > 3) { _tile_loadd(5, b + 3 * step, 64); _tile_dpbf16ps(3, 4, 5); }
+        const uint32_t *b = xb + (int64_t)m0 * step + kc * 256;
+        _tile_loadd(7, b, 64);
+        if (mg > 1) _tile_loadd(6, b + step, 64);
+        _tile_loadd(4, a[0] + kc * 32, stride);
+        _tile_dpbf16ps(0, 4, 7);
+        if (mg > 1) _tile_dpbf16ps(1, 4, 6);
+        if (ng > 1) {
+            _tile_loadd(5, a[1] + kc * 32, stride);
+            if (mg > 1) { _tile_dpbf16ps(2, 5, 7); _tile_dpbf16ps(3, 5, 6); }
+            else _tile_dpbf16ps(1, 5, 7);
+        }
+    }
+}
+
+static void pass_amx_any(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, int ng,
+                         int mg, const char *fetch, const char *fetch_end) {
+    switch (ng * 4 + mg) {   /* each shape a copy with its tile numbers constant */
+    case 4 + 1: pass_amx(a, xb, chunks, m0, 1, 1, fetch, fetch_end); break;
+    case 4 + 2: pass_amx(a, xb, chunks, m0, 1, 2, fetch, fetch_end); break;
+    case 8 + 1: pass_amx(a, xb, chunks, m0, 2, 1, fetch, fetch_end); break;
+    default: pass_amx(a, xb, chunks, m0, 2, 2, fetch, fetch_end); break;
     }
 }
 
@@ -354,19 +376,25 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
         const int first = (int)((int64_t)nblocks * t / threads), end = (int)((int64_t)nblocks * (t + 1) / threads);
         const char *mine = (const char *)(w + (int64_t)first * 16 * K);
         const char *mine_end = (const char *)(w + (int64_t)(end < N / 16 ? end : N / 16) * 16 * K);
-        for (const char *line = mine; line < mine + blocks_ahead * block_bytes && line < mine_end; line += 64)
+        int group = mblocks > 1 ? 2 : 1;   /* output blocks per pass: see pass_amx */
+        const int ahead = blocks_ahead + group - 1;   /* W's blocks asked for before they are needed */
+        for (const char *line = mine; line < mine + ahead * block_bytes && line < mine_end; line += 64)
             __builtin_prefetch(line, 0, 3);   /* the first blocks, which the loop asks for no one */
         float sums[16][16];
-        for (int nb = first; nb < end; nb++) {
-            const uint16_t *a = nb * 16 + 16 <= N ? w + (int64_t)nb * 16 * K : last;
-            const char *fetch = (const char *)(w + (int64_t)(nb + blocks_ahead) * 16 * K);
-            for (int mg = 0; mg < mblocks; mg += M_GROUP) {   /* the first pass asks for W ahead */
-                const int count = mblocks - mg < M_GROUP ? mblocks - mg : M_GROUP;
-                block_amx(a, xb, chunks, mg, count, mg ? NULL : fetch, mine_end);
-                for (int j = 0; j < count; j++) {
-                    sum_tile_to_memory(j, sums);
-                    store_transposed(sums, bias, y, M, N, nb * 16, (mg + j) * 16);
-                }
+        for (int nb = first; nb < end; nb += group) {
+            group = end - nb < group ? end - nb : group;
+            const uint16_t *a[2];
+            for (int n = 0; n < group; n++)
+                a[n] = (nb + n) * 16 + 16 <= N ? w + (int64_t)(nb + n) * 16 * K : last;
+            const char *fetch = (const char *)(w + (int64_t)(nb + ahead) * 16 * K);
+            for (int m0 = 0, mg; m0 < mblocks; m0 += mg) {   /* the first pass asks for W ahead */
+                mg = mblocks - m0 > 1 ? 2 : 1;
+                pass_amx_any(a, xb, chunks, m0, group, mg, m0 ? NULL : fetch, mine_end);
+                for (int n = 0; n < group; n++)
+                    for (int m = 0; m < mg; m++) {
+                        sum_tile_to_memory(n * mg + m, sums);
+                        store_transposed(sums, bias, y, M, N, (nb + n) * 16, (m0 + m) * 16);
+                    }
             }
         }
         _tile_release();
