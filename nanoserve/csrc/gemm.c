@@ -262,7 +262,11 @@ int gemm(const void *x, void *residual, const void *norm_weight, float eps, cons
    memory, and oneDNN's is far from the memory's speed (the bench model, 37 rows, cold weights:
    ~85 against ~120 us for 576 x 576). Each thread streams its own contiguous rows of W, 16 at a
    or 32 at a time (pass_amx), and asks for the rows ~PREFETCH_AHEAD bytes on before it needs them
-   (without: ~1.5x slower). K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another
+   (without: ~1.5x slower), into L2 (`__builtin_prefetch` locality 2: prefetcht1): into L1, the
+   misses in flight are capped by L1's few fill buffers, and a weight that comes from memory, as
+   in the engine, where the KV cache's stream has pushed it out of L3, arrived at ~18 GB/s; into
+   L2, the bench model's five shapes, 37 and 64 rows, 1 GiB of weights cycled: 1.08-1.30x (from
+   L3: 1.01-1.07x; "Intel Xeon" with Sapphire Rapids' flags, two builds alternated). K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another
    path); N need not be a multiple of 16 (the last rows are copied into a zero-padded block). */
 #ifdef AMX
 #include <omp.h>
@@ -326,7 +330,7 @@ pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, con
     for (int kc = 0; kc < chunks; kc++) {
         for (int l = 0; fetch && l < 16 * ng; l++) {
             const char *line = fetch + ((int64_t)kc * 16 * ng + l) * 64;
-            if (line < fetch_end) __builtin_prefetch(line, 0, 3);
+            if (line < fetch_end) __builtin_prefetch(line, 0, 2);
         }
         const uint32_t *b = xb + (int64_t)m0 * step + kc * 256;
         _tile_loadd(7, b, 64);
@@ -379,7 +383,7 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
         int group = mblocks > 1 ? 2 : 1;   /* output blocks per pass: see pass_amx */
         const int ahead = blocks_ahead + group - 1;   /* W's blocks asked for before they are needed */
         for (const char *line = mine; line < mine + ahead * block_bytes && line < mine_end; line += 64)
-            __builtin_prefetch(line, 0, 3);   /* the first blocks, which the loop asks for no one */
+            __builtin_prefetch(line, 0, 2);   /* the first blocks, which the loop asks for no one */
         float sums[16][16];
         for (int nb = first; nb < end; nb += group) {
             group = end - nb < group ? end - nb : group;
