@@ -130,7 +130,7 @@ def load():
                              + [ctypes.c_int] * 6)
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
-    kernels.gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    kernels.gemm_amx.argtypes = kernels.gemm.argtypes[:7] + [ctypes.c_int] * 4
     return kernels
 
 
@@ -260,22 +260,29 @@ def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple
     return weight, None if bias is None else torch.cat([bias.detach(), bias.new_zeros(1)])[order]
 
 
+def _norm_arguments(rows: Tensor, norm, residual: Optional[Tensor]) -> tuple:
+    """gemm.c's (norm weight, eps, residual) pointers for Linear's `norm` (an RMSNorm, or None)."""
+    if norm is None:
+        return None, 0.0, None
+    # rows are contiguous and in W's dtype by construction; these may not be
+    extra = [norm.weight] + ([] if residual is None else [residual])
+    if not _takes(rows, *extra) or (residual is not None and residual.shape != rows.shape):
+        raise ValueError("gemm's residual and norm weight must be contiguous, in the rows' dtype")
+    return norm.weight.data_ptr(), norm.eps, None if residual is None else residual.data_ptr()
+
+
 def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mul: bool = False,
-         norm: Optional[tuple[Tensor, float]] = None, residual: Optional[Tensor] = None) -> Tensor:
+         norm=None, residual: Optional[Tensor] = None) -> Tensor:
     """gemm.c: x [..., in] @ W.T + b, with W and b as `gemm_pack` packed them; in W's dtype (the
     model's rows already are). silu_and_mul (W packed with it; out_features: the intermediate
     size): silu(gate) * up of that product, as `silu_and_mul` computes it, without storing gate_up.
-    norm (weight, eps): the product of `rms_norm(x, residual, weight, eps)` instead of x (residual,
-    if given, updated in place the same way), without storing the normalised rows."""
+    norm (an RMSNorm: its weight and eps): the product of `rms_norm(x, residual, weight, eps)`
+    instead of x (residual, if given, updated in place the same way), without storing the
+    normalised rows."""
     rows = x.reshape(-1, x.shape[-1]).to(packed.dtype).contiguous()
-    weight, eps = norm if norm is not None else (None, 0.0)
-    if norm is not None:   # rows are contiguous and in W's dtype by construction; these may not be
-        extra = [weight] + ([] if residual is None else [residual])
-        if not _takes(rows, *extra) or (residual is not None and residual.shape != rows.shape):
-            raise ValueError("gemm's residual and norm weight must be contiguous, in the rows' dtype")
+    weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
     out = rows.new_empty(rows.shape[0], out_features)
-    if load().gemm(rows.data_ptr(), None if residual is None else residual.data_ptr(),
-                   None if weight is None else weight.data_ptr(), eps, packed.data_ptr(), bias.data_ptr(),
+    if load().gemm(rows.data_ptr(), residual_ptr, weight, eps, packed.data_ptr(), bias.data_ptr(),
                    out.data_ptr(), rows.shape[0], out_features, rows.shape[1],
                    int(rows.dtype == torch.bfloat16), int(silu_and_mul), torch.get_num_threads()):
         raise MemoryError(f"gemm.c could not allocate its copies of x ({rows.shape[0]} x {rows.shape[1]})")
@@ -288,12 +295,15 @@ def gemm_amx_ready() -> bool:
     return kernels is not None and bool(kernels.gemm_amx_ready())
 
 
-def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor) -> Optional[Tensor]:
+def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor, norm=None,
+             residual: Optional[Tensor] = None) -> Optional[Tensor]:
     """gemm.c's AMX product: x [..., in] @ weight.T + bias, bf16, with weight as it is ([out, in],
-    contiguous) and bias float32 [out]. None where it cannot run (in not a multiple of 32)."""
+    contiguous) and bias float32 [out]; norm and residual as gemm's. None where it cannot run (in
+    not a multiple of 32, out of memory), with nothing changed."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
+    norm_weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
     out = rows.new_empty(rows.shape[0], weight.shape[0])
-    if load().gemm_amx(rows.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
-                       rows.shape[0], weight.shape[0], rows.shape[1], torch.get_num_threads()):
+    if load().gemm_amx(rows.data_ptr(), residual_ptr, norm_weight, eps, weight.data_ptr(), bias.data_ptr(),
+                       out.data_ptr(), rows.shape[0], weight.shape[0], rows.shape[1], torch.get_num_threads()):
         return None
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -322,6 +322,38 @@ def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):
 
 
 @pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemm_amx_with_norm_equals_norm_then_f_linear(with_residual):
+    """The AMX loop's `norm` (its rows normalised as they are copied, the residual updated in
+    place), and F.linear's above the loop's row count (normalised first): against the norm, then
+    F.linear, the residual to the same bits. 100 outputs, 96 inputs: the test above's edges."""
+    from nanoserve.models import llama
+    gen = torch.Generator().manual_seed(4)
+    norm = llama.RMSNorm(96, 1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96, generator=gen) + 0.5)
+    weight = (torch.randn(100, 96, generator=gen) / 8).to(torch.bfloat16)
+    bias = torch.randn(100, generator=gen).to(torch.bfloat16)
+    for loop_rows in (1 << 30, 0):
+        gemm = linear.AmxGemm(weight, bias, loop_rows=loop_rows)
+        for rows in (1, 7, 16, 64, 300):
+            x = (3 * torch.randn(rows, 96, generator=gen)).to(torch.bfloat16)
+            residual = torch.randn(rows, 96, generator=gen).to(torch.bfloat16) if with_residual else None
+            theirs = None if residual is None else residual.clone()
+            with torch.inference_mode():
+                out = gemm(x, norm, residual)
+                normed = norm(x) if theirs is None else norm(x, theirs)[0]
+                expected = torch.nn.functional.linear(normed, weight, bias)
+            torch.testing.assert_close(out, expected, atol=0.05, rtol=2**-7)
+            assert residual is None or torch.equal(residual, theirs)
+    # A gate_up's AMX product hands its norm on too (silu * up after it).
+    gate_up = linear.make_gemm("amx", weight[:96], bias[:96], silu_and_mul=True)
+    x = (3 * torch.randn(7, 96, generator=gen)).to(torch.bfloat16)
+    gate, up = torch.nn.functional.linear(norm(x), weight[:96], bias[:96]).chunk(2, dim=-1)
+    torch.testing.assert_close(gate_up(x, norm), torch.nn.functional.silu(gate) * up, atol=0.05, rtol=2**-6)
+
+
+@pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
 def test_gemm_amx_refuses_what_it_cannot_multiply():
     with pytest.raises(RuntimeError):                  # inputs not a multiple of 32
         linear.make_gemm("amx", torch.randn(16, 48).to(torch.bfloat16), None)

@@ -358,10 +358,12 @@ static void pass_amx_any(const uint16_t *const a[2], const uint32_t *xb, int chu
 
 int gemm_amx_ready(void) { return amx_ready(); }
 
-/* x [M, K], w [N, K], y [M, N] bf16, contiguous; bias float32 [N] (zeros if none). Returns 0, or 1
-   where it cannot run (K not a multiple of 32, AMX refused, out of memory). */
-int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int M, int N,
-             int K, int num_threads) {
+/* x [M, K], w [N, K], y [M, N] bf16, contiguous; bias float32 [N] (zeros if none). norm_weight (or
+   NULL), eps and residual: as gemm's, each row block normalised just before it is copied. Returns
+   0, or 1 where it cannot run (K not a multiple of 32, AMX refused, out of memory), before it has
+   changed anything (the residual included). */
+int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight, float eps,
+             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int num_threads) {
     if (K % 32 || !amx_ready()) return 1;
     if (M == 0) return 0;
     const int chunks = K / 32, mblocks = (M + 15) / 16, nblocks = (N + 15) / 16;
@@ -369,12 +371,19 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
     const int blocks_ahead = PREFETCH_AHEAD / block_bytes > 1 ? (int)(PREFETCH_AHEAD / block_bytes) : 1;
     uint32_t *xb = malloc((size_t)mblocks * chunks * 1024);
     uint16_t *last = N % 16 ? calloc((size_t)16 * K, 2) : NULL;   /* a part-filled last block */
-    if (!xb || (N % 16 && !last)) { free(xb); free(last); return 1; }
+    uint16_t *normed = norm_weight ? malloc((size_t)M * K * 2) : NULL;
+    if (!xb || (N % 16 && !last) || (norm_weight && !normed)) { free(xb); free(last); free(normed); return 1; }
     if (last) memcpy(last, w + (int64_t)(nblocks - 1) * 16 * K, (size_t)(N % 16) * K * 2);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int mb = 0; mb < mblocks; mb++) pack_rows_amx(x, xb, M, K, mb);
+        for (int mb = 0; mb < mblocks; mb++) {
+            for (int r = mb * 16; normed && r < M && r < (mb + 1) * 16; r++) {
+                float row[K];
+                rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 1, row);
+            }
+            pack_rows_amx(normed ? normed : x, xb, M, K, mb);
+        }
         amx_configure((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
         const int t = omp_get_thread_num(), threads = omp_get_num_threads();
         const int first = (int)((int64_t)nblocks * t / threads), end = (int)((int64_t)nblocks * (t + 1) / threads);
@@ -405,13 +414,15 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
     }
     free(xb);
     free(last);
+    free(normed);
     return 0;
 }
 #else
 int gemm_amx_ready(void) { return 0; }
-int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int M, int N,
-             int K, int num_threads) {
-    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
+int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight, float eps,
+             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int num_threads) {
+    (void)x, (void)residual, (void)norm_weight, (void)eps, (void)w, (void)bias, (void)y, (void)M, (void)N,
+        (void)K, (void)num_threads;
     return 1;
 }
 #endif

@@ -60,8 +60,9 @@ class Linear(nn.Module):
     silu(gate) * up [..., out_features // 2]; on the `kernel` path gemm.c applies it to the
     product's tiles, so gate_up is never stored (elsewhere it is a pass after the product).
     forward's `norm` (an RMSNorm) and `residual`: multiply norm(x, residual) instead of x (the
-    residual updated in place to x + residual, as the norm does); on the `kernel` path gemm.c
-    normalises the rows as it copies them, so they are never stored either."""
+    residual updated in place to x + residual, as the norm does); on the `kernel` path, and on
+    the `amx` path up to its loop's row count, gemm.c normalises the rows as it copies them, so
+    they are never stored either."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, silu_and_mul: bool = False):
         super().__init__()
@@ -73,9 +74,9 @@ class Linear(nn.Module):
     def forward(self, x: Tensor, norm: Optional[nn.Module] = None,
                 residual: Optional[Tensor] = None) -> Tensor:
         if norm is not None:
-            if isinstance(self.gemm, KernelGemm):
-                return self.gemm(x, (norm.weight, norm.eps), residual)
-            x = norm(x) if residual is None else norm(x, residual)[0]
+            if getattr(self.gemm, "normalises", False):   # gemm.c's: the rows as it copies them
+                return self.gemm(x, norm, residual)
+            x = apply_norm(norm, x, residual)
         if self.gemm is not None:
             return self.gemm(x)
         y = F.linear(x, self.weight, self.bias)
@@ -89,6 +90,11 @@ class Linear(nn.Module):
         self.gemm = make_gemm(path, self.weight.detach(), self.bias, self.silu_and_mul)
         if not keep_weight:   # the packed copy replaces it: same memory as before packing
             self.weight = None
+
+
+def apply_norm(norm: nn.Module, x: Tensor, residual: Optional[Tensor]) -> Tensor:
+    """norm(x), or with the residual norm(x + residual), the residual updated in place."""
+    return norm(x) if residual is None else norm(x, residual)[0]
 
 
 def apply_silu_and_mul(gate_up: Tensor) -> Tensor:
@@ -121,9 +127,10 @@ class SiluAndMulAfter:
 
     def __init__(self, gemm: Gemm):
         self.gemm, self.nbytes = gemm, getattr(gemm, "nbytes", 0)   # F.linear's holds nothing
+        self.normalises = getattr(gemm, "normalises", False)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return apply_silu_and_mul(self.gemm(x))
+    def __call__(self, x: Tensor, *norm_and_residual) -> Tensor:
+        return apply_silu_and_mul(self.gemm(x, *norm_and_residual))
 
 
 class PackedGemm:
@@ -145,6 +152,7 @@ class PackedGemm:
 class KernelGemm:
     """x @ W.T + b with csrc/gemm.c, W packed once into its panels (cpu_kernels.gemm_pack);
     silu_and_mul: silu(gate) * up of it, in the same pass."""
+    normalises = True   # takes Linear's norm and residual (see cpu_kernels.gemm)
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
         self.packed, self.bias = cpu_kernels.gemm_pack(weight.detach(), bias, silu_and_mul)
@@ -152,9 +160,9 @@ class KernelGemm:
         self.out_features = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
         self.nbytes = self.packed.numel() * self.packed.element_size()
 
-    def __call__(self, x: Tensor, norm: Optional[tuple[Tensor, float]] = None,
+    def __call__(self, x: Tensor, norm: Optional[nn.Module] = None,
                  residual: Optional[Tensor] = None) -> Tensor:
-        """norm (weight, eps), residual: see cpu_kernels.gemm."""
+        """norm (an RMSNorm), residual: see cpu_kernels.gemm."""
         return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul,
                                 norm, residual)
 
@@ -162,6 +170,7 @@ class KernelGemm:
 class AmxGemm:
     """x @ W.T + b in bf16 with W as it is: up to `loop_rows` rows by gemm.c's AMX loop
     (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows)."""
+    normalises = True
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None):
         if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not cpu_kernels.gemm_amx_ready():
@@ -171,12 +180,15 @@ class AmxGemm:
         self.loop_rows = amx_loop_rows(*weight.shape) if loop_rows is None else loop_rows
         self.nbytes = weight.numel() * weight.element_size()   # the weight it holds
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, norm: Optional[nn.Module] = None,
+                 residual: Optional[Tensor] = None) -> Tensor:
+        """norm (an RMSNorm), residual: see cpu_kernels.gemm; the loop normalises its rows as it
+        copies them, F.linear's are normalised first."""
         if x.numel() <= self.loop_rows * x.shape[-1]:
-            y = cpu_kernels.gemm_amx(x, self.weight, self.bias_f32)
+            y = cpu_kernels.gemm_amx(x, self.weight, self.bias_f32, norm, residual)
             if y is not None:    # None: out of memory for its buffers
                 return y
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x if norm is None else apply_norm(norm, x, residual), self.weight, self.bias)
 
 
 @functools.lru_cache(maxsize=None)
