@@ -199,6 +199,18 @@ static void pack_rows(const void *x, uint32_t *xp, int M, int K, int units, int 
         }
 }
 
+/* Rows [first, end) (end capped at M) of RMSNorm(x + residual) into `normed`, as rms_norm.c
+   computes them (residual, if not NULL, updated in place): both products run it on the rows they
+   are about to copy. */
+static void normalise_rows(const void *x, void *residual, const void *norm_weight, void *normed,
+                           int first, int end, int M, int K, float eps, int bf16) {
+    for (int r = first; r < end && r < M; r++) {
+        float row[K];
+        if (bf16) rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 1, row);
+        else rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 0, row);
+    }
+}
+
 /* x: M x K and y: M x N, contiguous; bias: float32, padded to whole panels (zeros if none).
    norm_weight (or NULL): the product is of RMSNorm(x + residual) with that weight and eps, as
    rms_norm.c computes it (residual, if not NULL, updated in place to x + residual), each tile's
@@ -217,11 +229,8 @@ int gemm(const void *x, void *residual, const void *norm_weight, float eps, cons
     {
 #pragma omp for schedule(static)
         for (int t = 0; t < row_tiles; t++) {
-            for (int r = t * MR; normed && r < M && r < (t + 1) * MR; r++) {
-                float row[K];
-                if (bf16) rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 1, row);
-                else rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 0, row);
-            }
+            if (normed)
+                normalise_rows(x, residual, norm_weight, normed, t * MR, (t + 1) * MR, M, K, eps, bf16);
             pack_rows(normed ? normed : x, xp, M, K, units, bf16, t);
         }
 #pragma omp for collapse(2) schedule(static)
@@ -266,8 +275,9 @@ int gemm(const void *x, void *residual, const void *norm_weight, float eps, cons
    misses in flight are capped by L1's few fill buffers, and a weight that comes from memory, as
    in the engine, where the KV cache's stream has pushed it out of L3, arrived at ~18 GB/s; into
    L2, the bench model's five shapes, 37 and 64 rows, 1 GiB of weights cycled: 1.08-1.30x (from
-   L3: 1.01-1.07x; "Intel Xeon" with Sapphire Rapids' flags, two builds alternated). K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another
-   path); N need not be a multiple of 16 (the last rows are copied into a zero-padded block). */
+   L3: 1.01-1.07x; "Intel Xeon" with Sapphire Rapids' flags, two builds alternated).
+   K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another path); N
+   need not be a multiple of 16 (the last rows are copied into a zero-padded block). */
 #ifdef AMX
 #include <omp.h>
 #define PREFETCH_AHEAD 32768
@@ -378,10 +388,7 @@ int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight,
     {
 #pragma omp for schedule(static)
         for (int mb = 0; mb < mblocks; mb++) {
-            for (int r = mb * 16; normed && r < M && r < (mb + 1) * 16; r++) {
-                float row[K];
-                rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 1, row);
-            }
+            if (normed) normalise_rows(x, residual, norm_weight, normed, mb * 16, (mb + 1) * 16, M, K, eps, 1);
             pack_rows_amx(normed ? normed : x, xb, M, K, mb);
         }
         amx_configure((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
