@@ -208,6 +208,23 @@ def test_every_cpu_gemm_path_equals_f_linear(dtype, bias):
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+def test_gemm_pack_writes_its_padding_as_zeros():
+    """bf16 with an odd number of inputs: the last pair's second half, and the columns past the
+    last output, are multiplied too (by zeros of x); packed into memory full of NaN (what an
+    unwritten pad might hold: NaN x 0 is NaN), they must come out 0. This once made the two
+    odd-input bf16 tests below fail now and then."""
+    kernels, width = cpu_kernels.load(), cpu_kernels.load().gemm_panel_width()
+    weight = torch.randn(5, 3).to(torch.bfloat16)
+    packed = torch.full((width * 4,), float("nan"), dtype=torch.bfloat16)
+    kernels.gemm_pack(weight.data_ptr(), packed.data_ptr(), 5, 3, 1)
+    pairs = packed.view(2, width, 2)                   # [k / 2][column][k % 2]
+    assert not packed.isnan().any()
+    assert torch.equal(pairs[1, :, 1], torch.zeros(width, dtype=torch.bfloat16))   # k = 3: padding
+    assert torch.equal(pairs[:, 5:], torch.zeros(2, width - 5, 2, dtype=torch.bfloat16))
+    assert torch.equal(pairs[0, :5, 0], weight[:, 0]) and torch.equal(pairs[1, :5, 0], weight[:, 2])
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (100, 33), (97, 64)])
 def test_gemm_kernel_equals_f_linear_on_ragged_shapes(dtype, shape):

@@ -168,14 +168,16 @@ store_tile(const float sums[MR][PANEL], int m, void *y, int64_t ldy, int columns
     }
 }
 
-/* w [N, K] -> packed (N rounded up to PANEL columns) x K (bf16: K rounded up to even). */
+/* w [N, K] -> packed (N rounded up to PANEL columns) x K (bf16: K rounded up to even). Every
+   value is written, the padding with zeros: the padding is multiplied too (by zeros of x), and
+   garbage that happens to be a NaN would make the product NaN. */
 void gemm_pack(const void *w, void *packed, int N, int K, int bf16) {
     const int panels = (N + PANEL - 1) / PANEL, pairs = (K + 1) / 2;
     for (int p = 0; p < panels; p++)
-        for (int k = 0; k < K; k++)
+        for (int k = 0; k < (bf16 ? 2 * pairs : K); k++)
             for (int j = 0; j < PANEL; j++) {
                 const int n = p * PANEL + j;
-                const float v = n < N ? value_at(w, (int64_t)n * K + k, bf16) : 0.f;
+                const float v = n < N && k < K ? value_at(w, (int64_t)n * K + k, bf16) : 0.f;
                 if (bf16) store_at(packed, (((int64_t)p * pairs + k / 2) * PANEL + j) * 2 + k % 2, v, 1);
                 else store_at(packed, ((int64_t)p * K + k) * PANEL + j, v, 0);
             }
