@@ -398,13 +398,13 @@ int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight,
         const int first = (int)((int64_t)nblocks * t / threads), end = (int)((int64_t)nblocks * (t + 1) / threads);
         const char *mine = (const char *)(w + (int64_t)first * 16 * K);
         const char *mine_end = (const char *)(w + (int64_t)(end < N / 16 ? end : N / 16) * 16 * K);
-        int group = mblocks > 1 ? 2 : 1;   /* output blocks per pass: see pass_amx */
-        const int ahead = blocks_ahead + group - 1;   /* W's blocks asked for before they are needed */
+        const int per_pass = mblocks > 1 ? 2 : 1;   /* output blocks per pass: see pass_amx */
+        const int ahead = blocks_ahead + per_pass - 1;   /* W's blocks asked for before they are needed */
         for (const char *line = mine; line < mine + ahead * block_bytes && line < mine_end; line += 64)
             __builtin_prefetch(line, 0, 2);   /* the first blocks, which the loop asks for no one */
         float sums[16][16];
-        for (int nb = first; nb < end; nb += group) {
-            group = end - nb < group ? end - nb : group;
+        for (int nb = first; nb < end; nb += per_pass) {
+            const int group = end - nb < per_pass ? end - nb : per_pass;   /* fewer at the end */
             const uint16_t *a[2];
             for (int n = 0; n < group; n++)
                 a[n] = (nb + n) * 16 + 16 <= N ? w + (int64_t)(nb + n) * 16 * K : last;
