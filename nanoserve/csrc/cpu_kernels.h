@@ -120,12 +120,16 @@ static inline int amx_ready(void) {
     return granted;
 }
 
-/* Tile t gets rows[t] rows of 64 bytes (the widest a tile takes), for t < 8. */
+/* Tile t gets rows[t] rows of 64 bytes (the widest a tile takes), for t < 8. Not GCC 12's
+   _tile_loadconfig: its asm tells the compiler that `ldtilecfg` reads the first 8 bytes of the
+   configuration only, so at -O3 the stores of the shapes may be dropped as dead, and the first
+   tile instruction then faults (seen: SIGILL once a call inside the tile loop changed the
+   inlining). This asm names the whole 64 bytes as what it reads. */
 static inline void amx_configure(const uint8_t rows[8]) {
     struct { uint8_t palette, start_row, reserved[14]; uint16_t bytes[16]; uint8_t rows[16]; }
         config = {.palette = 1};
     for (int t = 0; t < 8; t++) config.bytes[t] = 64, config.rows[t] = rows[t];
-    _tile_loadconfig(&config);
+    __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 #endif
 
