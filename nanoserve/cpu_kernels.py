@@ -130,7 +130,7 @@ def load():
                              + [ctypes.c_int] * 6)
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
-    kernels.gemm_amx.argtypes = kernels.gemm.argtypes[:7] + [ctypes.c_int] * 4
+    kernels.gemm_amx.argtypes = kernels.gemm.argtypes[:7] + [ctypes.c_int] * 5
     return kernels
 
 
@@ -295,15 +295,19 @@ def gemm_amx_ready() -> bool:
     return kernels is not None and bool(kernels.gemm_amx_ready())
 
 
-def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor, norm=None,
-             residual: Optional[Tensor] = None) -> Optional[Tensor]:
+def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor, norm=None, residual: Optional[Tensor] = None,
+             silu_and_mul: bool = False) -> Optional[Tensor]:
     """gemm.c's AMX product: x [..., in] @ weight.T + bias, bf16, with weight as it is ([out, in],
-    contiguous) and bias float32 [out]; norm and residual as gemm's. None where it cannot run (in
-    not a multiple of 32, out of memory), with nothing changed."""
+    contiguous) and bias float32 [out]; norm and residual as gemm's. silu_and_mul (weight is
+    gate_up, gate rows first): silu(gate) * up of that product [..., out / 2], as `silu_and_mul`
+    computes it, without storing gate_up. None where it cannot run (in not a multiple of 32, out of
+    memory, silu_and_mul with out / 2 not a multiple of 16), with nothing changed."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     norm_weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
-    out = rows.new_empty(rows.shape[0], weight.shape[0])
+    out_features = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+    out = rows.new_empty(rows.shape[0], out_features)
     if load().gemm_amx(rows.data_ptr(), residual_ptr, norm_weight, eps, weight.data_ptr(), bias.data_ptr(),
-                       out.data_ptr(), rows.shape[0], weight.shape[0], rows.shape[1], torch.get_num_threads()):
+                       out.data_ptr(), rows.shape[0], weight.shape[0], rows.shape[1], int(silu_and_mul),
+                       torch.get_num_threads()):
         return None
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], out_features)

@@ -339,6 +339,28 @@ def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):
 
 
 @pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
+@pytest.mark.parametrize("intermediate", [48, 40])
+def test_gemm_amx_silu_and_mul_equals_product_then_silu(intermediate):
+    """gate_up on the AMX loop with silu_and_mul (silu(gate) * up from each pair of gate and up sum
+    tiles) against the loop's gate_up product, stored in bf16, and then silu_and_mul: the same bits,
+    since the pair is rounded as the product's store rounds it. Rows as the test above; 40: no
+    whole number of blocks of 16, so the loop refuses and F.linear, then silu_and_mul, run instead."""
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(2 * intermediate, 96, generator=gen) / 8).to(torch.bfloat16)
+    bias = torch.randn(2 * intermediate, generator=gen).to(torch.bfloat16)
+    fused = linear.AmxGemm(weight, bias, loop_rows=1 << 30, silu_and_mul=True)
+    product = linear.AmxGemm(weight, bias, loop_rows=1 << 30)
+    for rows in (1, 7, 16, 17, 64, 300):
+        x = (3 * torch.randn(rows, 96, generator=gen)).to(torch.bfloat16)
+        out, expected = fused(x), linear.apply_silu_and_mul(product(x))
+        assert out.shape == (rows, intermediate)
+        if intermediate % 16 == 0:
+            assert torch.equal(out, expected), rows
+        else:
+            torch.testing.assert_close(out, expected, atol=0.05, rtol=2**-6)
+
+
+@pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gemm_amx_with_norm_equals_norm_then_f_linear(with_residual):
     """The AMX loop's `norm` (its rows normalised as they are copied, the residual updated in

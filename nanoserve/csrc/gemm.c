@@ -352,12 +352,32 @@ typedef struct {
     int n0[4], m0[4], count, done;
     const float *bias;
     uint16_t *y;
-    int M, N;
+    int M, N;          /* y's rows and columns */
+    int silu_and_mul;  /* entries are (gate, up) pairs of tiles: sums[2e], sums[2e + 1] */
 } Pending;
 
+/* silu(gate) * up for one pair of sum tiles (gate's 16 outputs n0.. and up's same outputs, the
+   latter's bias N on), each + bias rounded to bf16 first: the numbers of the unfused path, whose
+   product stores gate_up in bf16 for silu_and_mul.c to read. */
+static void store_silu_and_mul(float gate[16][16], float up[16][16], const float *bias, uint16_t *y,
+                               int M, int N, int n0, int m0) {
+    const __m512 gate_bias = _mm512_loadu_ps(bias + n0), up_bias = _mm512_loadu_ps(bias + N + n0);
+    __m512 g[16], u[16];
+    transpose_16x16((const float (*)[16])gate, g);
+    transpose_16x16((const float (*)[16])up, u);
+    for (int r = 0; r < 16 && m0 + r < M; r++) {
+        const vfloat out = silu_mul_lanes(rounded_lanes((vfloat)_mm512_add_ps(g[r], gate_bias)),
+                                          rounded_lanes((vfloat)_mm512_add_ps(u[r], up_bias)), 1);
+        _mm256_storeu_si256((__m256i *)(y + (int64_t)(m0 + r) * N + n0), (__m256i)_mm512_cvtneps_pbh((__m512)out));
+    }
+}
+
 static inline void store_pending(Pending *p) {
-    const int t = p->done++;
-    store_transposed(p->sums[t], p->bias, p->y, p->M, p->N, p->n0[t], p->m0[t]);
+    const int e = p->done++;
+    if (p->silu_and_mul)
+        store_silu_and_mul(p->sums[2 * e], p->sums[2 * e + 1], p->bias, p->y, p->M, p->N, p->n0[e], p->m0[e]);
+    else
+        store_transposed(p->sums[e], p->bias, p->y, p->M, p->N, p->n0[e], p->m0[e]);
 }
 
 static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored takes a constant */
@@ -378,22 +398,24 @@ static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored ta
    model's five shapes, cold weights: 1.08-1.15x / 1.01-1.07x / 1.02-1.12x ("Intel Xeon" with
    Sapphire Rapids' flags, two builds alternated in one process). Up to 16 rows (a single x block)
    the product waits on W's stream, and one block a pass is as fast.
-   `fetch` (or NULL): later W rows, ng blocks of them below `fetch_end`, asked for 16 * ng lines a
-   chunk, so that all of them are asked for by the last chunk. `pending`: the pass before's sums,
+   `fetch` (or NULL): for each of the ng W blocks, a later block of W (below `fetch_end`, the
+   same index), asked for 16 lines a chunk, so that all of it is asked for by the last chunk (16
+   rows x K * 2 bytes = 16 lines per 32 k). `pending`: the pass before's sums,
    stored into y one tile every 4 chunks (every 2: 0.94-0.98x), the rest after the pass. */
 static inline __attribute__((always_inline)) void
 pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, const int ng,
-         const int mg, const char *fetch, const char *fetch_end, Pending *pending) {
+         const int mg, const char *const fetch[2], const char *const fetch_end[2], Pending *pending) {
     _tile_zero(0);
     if (ng * mg > 1) _tile_zero(1);
     if (ng * mg > 2) _tile_zero(2);
     if (ng * mg > 3) _tile_zero(3);
     const int64_t step = (int64_t)chunks * 256, stride = (int64_t)chunks * 64;
     for (int kc = 0; kc < chunks; kc++) {
-        for (int l = 0; fetch && l < 16 * ng; l++) {
-            const char *line = fetch + ((int64_t)kc * 16 * ng + l) * 64;
-            if (line < fetch_end) __builtin_prefetch(line, 0, 2);
-        }
+        for (int n = 0; fetch && n < ng; n++)
+            for (int l = 0; l < 16; l++) {
+                const char *line = fetch[n] + ((int64_t)kc * 16 + l) * 64;
+                if (line < fetch_end[n]) __builtin_prefetch(line, 0, 2);
+            }
         if (kc % 4 == 2 && pending->done < pending->count) store_pending(pending);
         const uint32_t *b = xb + (int64_t)m0 * step + kc * 256;
         _tile_loadd(7, b, 64);
@@ -410,7 +432,7 @@ pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, con
 }
 
 static void pass_amx_any(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, int ng,
-                         int mg, const char *fetch, const char *fetch_end, Pending *pending) {
+                         int mg, const char *const fetch[2], const char *const fetch_end[2], Pending *pending) {
     switch (ng * 4 + mg) {   /* each shape a copy with its tile numbers constant */
     case 4 + 1: pass_amx(a, xb, chunks, m0, 1, 1, fetch, fetch_end, pending); break;
     case 4 + 2: pass_amx(a, xb, chunks, m0, 1, 2, fetch, fetch_end, pending); break;
@@ -422,15 +444,23 @@ static void pass_amx_any(const uint16_t *const a[2], const uint32_t *xb, int chu
 int gemm_amx_ready(void) { return amx_ready(); }
 
 /* x [M, K], w [N, K], y [M, N] bf16, contiguous; bias float32 [N] (zeros if none). norm_weight (or
-   NULL), eps and residual: as gemm's, each row block normalised just before it is copied. Returns
-   0, or 1 where it cannot run (K not a multiple of 32, AMX refused, out of memory), before it has
-   changed anything (the residual included). */
+   NULL), eps and residual: as gemm's, each row block normalised just before it is copied.
+   silu_and_mul: w is gate_up ([gate; up], N = 2 * intermediate, intermediate a multiple of 16) and
+   y [M, N / 2] gets silu(gate) * up: each pass multiplies a block of gate rows and the same block
+   of up rows, so the pair of sums is stored together and gate_up is never written out: against
+   the product, then silu_and_mul.c, 1.03-1.075x at 8 to 64 rows (bench model's gate_up, cold,
+   "Intel Xeon" family 6 model 167, same bits; a try before the stores overlapped the next pass
+   lost at 37 and 64 rows).
+   Returns 0, or 1 where it cannot run (K not a multiple of 32, AMX refused, out of memory, an
+   intermediate size not a multiple of 16), before it has changed anything (the residual included). */
 int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight, float eps,
-             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int num_threads) {
-    if (K % 32 || !amx_ready()) return 1;
+             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int silu_and_mul,
+             int num_threads) {
+    if (K % 32 || (silu_and_mul && N % 32) || !amx_ready()) return 1;
     if (M == 0) return 0;
     const int chunks = K / 32, mblocks = (M + 15) / 16, nblocks = (N + 15) / 16;
-    const int64_t block_bytes = (int64_t)16 * K * 2;
+    const int y_columns = silu_and_mul ? N / 2 : N, y_blocks = silu_and_mul ? nblocks / 2 : nblocks;
+    const int64_t block_bytes = (int64_t)16 * K * 2, up_offset = silu_and_mul ? (int64_t)N / 2 * K : 0;
     const int blocks_ahead = PREFETCH_AHEAD / block_bytes > 1 ? (int)(PREFETCH_AHEAD / block_bytes) : 1;
     uint32_t *xb = malloc((size_t)mblocks * chunks * 1024);
     uint16_t *last = N % 16 ? calloc((size_t)16 * K, 2) : NULL;   /* a part-filled last block */
@@ -445,32 +475,46 @@ int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight,
             pack_rows_amx(normed ? normed : x, xb, M, K, mb);
         }
         amx_configure((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
+        /* Each thread its own run of y's blocks of 16 columns, and so of W's rows (silu_and_mul:
+           the same run of gate rows and of up rows). */
         const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        const int first = (int)((int64_t)nblocks * t / threads), end = (int)((int64_t)nblocks * (t + 1) / threads);
+        const int first = (int)((int64_t)y_blocks * t / threads), end = (int)((int64_t)y_blocks * (t + 1) / threads);
+        const int full_end = silu_and_mul || end < N / 16 ? end : N / 16;   /* `last` is no part of w */
         const char *mine = (const char *)(w + (int64_t)first * 16 * K);
-        const char *mine_end = (const char *)(w + (int64_t)(end < N / 16 ? end : N / 16) * 16 * K);
-        const int per_pass = mblocks > 1 ? 2 : 1;   /* output blocks per pass: see pass_amx */
-        const int ahead = blocks_ahead + per_pass - 1;   /* W's blocks asked for before they are needed */
-        for (const char *line = mine; line < mine + ahead * block_bytes && line < mine_end; line += 64)
-            __builtin_prefetch(line, 0, 2);   /* the first blocks, which the loop asks for no one */
-        Pending pending = {.count = 0, .done = 0, .bias = bias, .y = y, .M = M, .N = N};
+        const char *const mine_end[2] = {(const char *)(w + (int64_t)full_end * 16 * K),
+                                         (const char *)(w + up_offset + (int64_t)full_end * 16 * K)};
+        /* y blocks per pass (see pass_amx): two W blocks a pass from 17 rows on, or always with
+           silu_and_mul (gate's and up's) */
+        const int per_pass = mblocks > 1 && !silu_and_mul ? 2 : 1;
+        const int ahead = blocks_ahead + per_pass - 1;   /* y blocks whose W is asked for before it is needed */
+        for (int n = 0; n < (silu_and_mul ? 2 : 1); n++)   /* the first blocks, which the loop asks for no one */
+            for (const char *line = mine + n * up_offset * 2; line < mine + n * up_offset * 2 + ahead * block_bytes
+                                                               && line < mine_end[n]; line += 64)
+                __builtin_prefetch(line, 0, 2);
+        Pending pending = {.count = 0, .done = 0, .bias = bias, .y = y, .M = M, .N = y_columns,
+                           .silu_and_mul = silu_and_mul};
         for (int nb = first; nb < end; nb += per_pass) {
-            const int group = end - nb < per_pass ? end - nb : per_pass;   /* fewer at the end */
+            const int group = silu_and_mul ? 2 : end - nb < per_pass ? end - nb : per_pass;   /* W blocks */
             const uint16_t *a[2];
-            for (int n = 0; n < group; n++)
-                a[n] = (nb + n) * 16 + 16 <= N ? w + (int64_t)(nb + n) * 16 * K : last;
-            const char *fetch = (const char *)(w + (int64_t)(nb + ahead) * 16 * K);
+            const char *fetch[2];
+            for (int n = 0; n < group; n++) {
+                const int64_t row = silu_and_mul ? n * (N / 2) + (int64_t)nb * 16 : (int64_t)(nb + n) * 16;
+                a[n] = row + 16 <= N ? w + row * K : last;
+                fetch[n] = (const char *)(w + (row + (int64_t)ahead * 16) * K);
+            }
+            const char *const ends[2] = {mine_end[0], mine_end[silu_and_mul]};
             for (int m0 = 0, mg; m0 < mblocks; m0 += mg) {   /* the first pass asks for W ahead */
                 mg = mblocks - m0 > 1 ? 2 : 1;
-                pass_amx_any(a, xb, chunks, m0, group, mg, m0 ? NULL : fetch, mine_end, &pending);
+                pass_amx_any(a, xb, chunks, m0, group, mg, m0 ? NULL : fetch, ends, &pending);
                 while (pending.done < pending.count) store_pending(&pending);
                 pending.count = pending.done = 0;
-                for (int n = 0; n < group; n++)
-                    for (int m = 0; m < mg; m++) {
-                        const int t = pending.count++;
-                        sum_tile_to_memory(n * mg + m, pending.sums[t]);
-                        pending.n0[t] = (nb + n) * 16, pending.m0[t] = (m0 + m) * 16;
-                    }
+                for (int n = 0; n < group; n++)   /* tile n * mg + m -> sums[n * mg + m] (silu: [2m + n]) */
+                    for (int m = 0; m < mg; m++)
+                        sum_tile_to_memory(n * mg + m, pending.sums[silu_and_mul ? 2 * m + n : n * mg + m]);
+                for (int e = 0; e < (silu_and_mul ? mg : group * mg); e++, pending.count++) {
+                    pending.n0[e] = (nb + (silu_and_mul ? 0 : e / mg)) * 16;
+                    pending.m0[e] = (m0 + (silu_and_mul ? e : e % mg)) * 16;
+                }
             }
         }
         while (pending.done < pending.count) store_pending(&pending);
@@ -484,9 +528,10 @@ int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight,
 #else
 int gemm_amx_ready(void) { return 0; }
 int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight, float eps,
-             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int num_threads) {
+             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int silu_and_mul,
+             int num_threads) {
     (void)x, (void)residual, (void)norm_weight, (void)eps, (void)w, (void)bias, (void)y, (void)M, (void)N,
-        (void)K, (void)num_threads;
+        (void)K, (void)silu_and_mul, (void)num_threads;
     return 1;
 }
 #endif

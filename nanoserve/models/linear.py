@@ -23,7 +23,8 @@ model's real shapes and row counts, on this machine, and gives each Linear the f
     amx            bf16 on a CPU with AMX: the weight kept as it is. Up to a row count measured
                    at start-up (`amx_loop_rows`) gemm.c's AMX loop, which streams the weight at
                    near memory speed (a decode step's 1-64 rows), above it F.linear on the same
-                   tensor (prefill). One copy of the weight serves both.
+                   tensor (prefill). One copy of the weight serves both. The loop ends gate_up in
+                   silu(gate) * up itself, as the kernel path does.
 
     >>> layer = Linear(4, 3, bias=False)
     >>> choose_cpu_gemms([layer], rows=[1, 8])                     # doctest: +SKIP
@@ -57,8 +58,9 @@ class Linear(nn.Module):
 
     `gemm` is the product to call; F.linear until `choose_cpu_gemms` picks a packed path.
     silu_and_mul: the layer is an MLP's gate_up (gate rows, then up rows) and returns
-    silu(gate) * up [..., out_features // 2]; on the `kernel` path gemm.c applies it to the
-    product's tiles, so gate_up is never stored (elsewhere it is a pass after the product).
+    silu(gate) * up [..., out_features // 2]; on the `kernel` path, and on the `amx` path up to its
+    loop's row count, gemm.c applies it to the product's sums, so gate_up is never stored
+    (elsewhere it is a pass after the product).
     forward's `norm` (an RMSNorm) and `residual`: multiply norm(x, residual) instead of x (the
     residual updated in place to x + residual, as the norm does); on the `kernel` path, and on
     the `amx` path up to its loop's row count, gemm.c normalises the rows as it copies them, so
@@ -116,7 +118,7 @@ def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: b
     if path == "torch":
         gemm = lambda x: F.linear(x, weight, bias)   # noqa: E731
     elif path == "amx":
-        gemm = AmxGemm(weight, bias)
+        return AmxGemm(weight, bias, silu_and_mul=silu_and_mul)   # applies it itself
     else:
         gemm = PackedGemm(weight, bias, torch.float32 if path == "onednn-fp32" else weight.dtype)
     return SiluAndMulAfter(gemm) if silu_and_mul else gemm
@@ -169,13 +171,16 @@ class KernelGemm:
 
 class AmxGemm:
     """x @ W.T + b in bf16 with W as it is: up to `loop_rows` rows by gemm.c's AMX loop
-    (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows)."""
+    (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows).
+    silu_and_mul: W is gate_up, and the result silu(gate) * up: the loop applies it to its sums
+    (gate_up is never stored), after F.linear it is apply_silu_and_mul's pass."""
     normalises = True
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None):
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None,
+                 silu_and_mul: bool = False):
         if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not cpu_kernels.gemm_amx_ready():
             raise RuntimeError("the AMX product needs bf16, inputs a multiple of 32 and a CPU with AMX")
-        self.weight, self.bias = weight.detach().contiguous(), bias
+        self.weight, self.bias, self.silu_and_mul = weight.detach().contiguous(), bias, silu_and_mul
         self.bias_f32 = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
         self.loop_rows = amx_loop_rows(*weight.shape) if loop_rows is None else loop_rows
         self.nbytes = weight.numel() * weight.element_size()   # the weight it holds
@@ -185,10 +190,11 @@ class AmxGemm:
         """norm (an RMSNorm), residual: see cpu_kernels.gemm; the loop normalises its rows as it
         copies them, F.linear's are normalised first."""
         if x.numel() <= self.loop_rows * x.shape[-1]:
-            y = cpu_kernels.gemm_amx(x, self.weight, self.bias_f32, norm, residual)
+            y = cpu_kernels.gemm_amx(x, self.weight, self.bias_f32, norm, residual, self.silu_and_mul)
             if y is not None:    # None: out of memory for its buffers
                 return y
-        return F.linear(x if norm is None else apply_norm(norm, x, residual), self.weight, self.bias)
+        y = F.linear(x if norm is None else apply_norm(norm, x, residual), self.weight, self.bias)
+        return apply_silu_and_mul(y) if self.silu_and_mul else y
 
 
 @functools.lru_cache(maxsize=None)
