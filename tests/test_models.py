@@ -399,6 +399,7 @@ def test_gemm_amx_refuses_what_it_cannot_multiply():
     with pytest.raises(RuntimeError):                  # float32: AMX multiplies bf16 only
         linear.make_gemm("amx", torch.randn(16, 64), None)
     assert linear.amx_loop_rows(64, 64) in (0, 8, 16, 32, 64, 128, 256, 512)
+    assert linear.amx_loop_rows(64, 64, silu_and_mul=True) in (0, 8, 16, 32, 64, 128, 256, 512)
 
 
 def test_choose_cpu_gemms_packs_once_per_shape_and_keeps_shared_weights():

@@ -81,8 +81,7 @@ class Linear(nn.Module):
             x = apply_norm(norm, x, residual)
         if self.gemm is not None:
             return self.gemm(x)
-        y = F.linear(x, self.weight, self.bias)
-        return apply_silu_and_mul(y) if self.silu_and_mul else y
+        return after_product(F.linear(x, self.weight, self.bias), self.silu_and_mul)
 
     def use_gemm(self, path: str, keep_weight: bool) -> None:
         """Multiply with `path` from now on; drop the unpacked weight unless it is needed."""
@@ -97,6 +96,11 @@ class Linear(nn.Module):
 def apply_norm(norm: nn.Module, x: Tensor, residual: Optional[Tensor]) -> Tensor:
     """norm(x), or with the residual norm(x + residual), the residual updated in place."""
     return norm(x) if residual is None else norm(x, residual)[0]
+
+
+def after_product(y: Tensor, silu_and_mul: bool) -> Tensor:
+    """A gate_up product's silu(gate) * up where the layer has it; any other product as it is."""
+    return apply_silu_and_mul(y) if silu_and_mul else y
 
 
 def apply_silu_and_mul(gate_up: Tensor) -> Tensor:
@@ -182,7 +186,7 @@ class AmxGemm:
             raise RuntimeError("the AMX product needs bf16, inputs a multiple of 32 and a CPU with AMX")
         self.weight, self.bias, self.silu_and_mul = weight.detach().contiguous(), bias, silu_and_mul
         self.bias_f32 = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
-        self.loop_rows = amx_loop_rows(*weight.shape) if loop_rows is None else loop_rows
+        self.loop_rows = amx_loop_rows(*weight.shape, silu_and_mul) if loop_rows is None else loop_rows
         self.nbytes = weight.numel() * weight.element_size()   # the weight it holds
 
     def __call__(self, x: Tensor, norm: Optional[nn.Module] = None,
@@ -194,19 +198,22 @@ class AmxGemm:
             if y is not None:    # None: out of memory for its buffers
                 return y
         y = F.linear(x if norm is None else apply_norm(norm, x, residual), self.weight, self.bias)
-        return apply_silu_and_mul(y) if self.silu_and_mul else y
+        return after_product(y, self.silu_and_mul)
 
 
 @functools.lru_cache(maxsize=None)
-def amx_loop_rows(out_features: int, in_features: int, probes=(8, 16, 32, 64, 128, 256, 512)) -> int:
+def amx_loop_rows(out_features: int, in_features: int, silu_and_mul: bool = False,
+                  probes=(8, 16, 32, 64, 128, 256, 512)) -> int:
     """The most rows up to which gemm.c's AMX loop beats F.linear on this CPU: the last of
     `probes` before the first it loses (0: it loses at the first), timed on a random bf16 weight
-    of this shape, the two interleaved. Measured once per shape, not assumed: where the library
-    catches up depends on the CPU and the shape (Sapphire Rapids, 2 threads, the bench model's
-    four shapes: between 64 and 128 rows)."""
+    of this shape, the two interleaved (silu_and_mul: each ending in it, as the layer does).
+    Measured once per shape, not assumed: where the library catches up depends on the CPU and the
+    shape (Sapphire Rapids, 2 threads, the bench model's shapes: from 128 to 256 rows, gate_up
+    with silu_and_mul 512)."""
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     zeros, rows = torch.zeros(out_features), 0
-    paths = {"loop": lambda r: cpu_kernels.gemm_amx(r, weight, zeros), "torch": lambda r: F.linear(r, weight)}
+    paths = {"loop": lambda r: cpu_kernels.gemm_amx(r, weight, zeros, silu_and_mul=silu_and_mul),
+             "torch": lambda r: after_product(F.linear(r, weight), silu_and_mul)}
     for m in probes:
         seconds = _interleaved_seconds(paths, torch.randn(m, in_features, dtype=torch.bfloat16), 2)
         if seconds["loop"] > seconds["torch"]:
