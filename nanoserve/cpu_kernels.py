@@ -15,7 +15,7 @@ code it replaces (which stays the fallback, and the only path on CUDA):
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
     silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads (on
                          paths other than gemm.c's, which applies it to its gate_up tiles).
-    argmax.c             each row's argmax (greedy sampling), vectorised, where torch's goes one
+    argmax.c             each row's argmax (greedy sampling; float32 or bf16 logits), vectorised, where torch's goes one
                          float at a time (64 rows of 49k logits, Zen 4: ~0.25 ms against ~2.7).
     gemm.c               a Linear's product on its weight packed once: one of the paths
                          models/linear.py times at start-up (its `kernel`), where decode's 1-64
@@ -122,7 +122,7 @@ def load():
     kernels.silu_and_mul.restype = None
     kernels.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
     kernels.argmax.restype = None
-    kernels.argmax.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+    kernels.argmax.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64] + [ctypes.c_int] * 2
     kernels.gemm_pack.restype = None
     kernels.gemm.restype = ctypes.c_int
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
@@ -209,13 +209,14 @@ def silu_and_mul(gate_up: Tensor) -> Optional[Tensor]:
 
 
 def argmax(x: Tensor) -> Tensor:
-    """argmax.c: x.argmax(dim=-1) for a float32 [rows, n] tensor, the same indices (first
+    """argmax.c: x.argmax(dim=-1) for a float32 or bf16 [rows, n] tensor, the same indices (first
     maximum; a NaN beats every number). Falls back to torch where the kernel cannot run."""
     kernels = load()
-    if kernels is None or x.dim() != 2 or x.shape[1] == 0 or not _takes(x) or x.dtype != torch.float32:
+    if kernels is None or x.dim() != 2 or x.shape[1] == 0 or not _takes(x):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.long)
-    kernels.argmax(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    kernels.argmax(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], int(x.dtype == torch.bfloat16),
+                   torch.get_num_threads())
     return out
 
 

@@ -244,10 +244,12 @@ class Sampler:
             raise ValueError(f"logits must have shape [{md.num_rows}, {md.vocab_size}] "
                              f"(got {list(logits.shape)})")
         raw_logits = logits
-        # A float32 copy where a stage below works in place (the raw logits feed the logprobs);
-        # all-greedy rows with no min_tokens or frequency penalty read the raw logits as they are.
+        # Float32 wherever a stage computes with the logits, a copy where one works in place (the
+        # raw logits feed the logprobs). An all-greedy batch with no min_tokens or penalty reads
+        # them as the model gave them, in its dtype (widening cannot change which is largest).
         in_place = not md.all_greedy or md.min_tokens_rows is not None or md.frequency_penalty is not None
-        logits = logits.to(torch.float32, copy=in_place)
+        if in_place or md.repetition_penalty is not None:
+            logits = logits.to(torch.float32, copy=in_place)
         if md.min_tokens_rows is not None:
             logits[md.min_tokens_rows, md.min_tokens_token_ids] = _NEG_INF
         logits = apply_penalties(logits, md)

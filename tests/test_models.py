@@ -95,7 +95,7 @@ class PagedRunner:
         )
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, md)
         logits = self.model.compute_logits(hidden)
-        assert logits.dtype == torch.float32
+        assert logits.dtype == hidden.dtype   # the model's: the sampler widens where it needs
         return {req: logits[qsl[i]:qsl[i + 1]] for i, req in enumerate(scheduled)}
 
 

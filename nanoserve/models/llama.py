@@ -304,12 +304,12 @@ class LlamaForCausalLM(nn.Module):
                 for m in self.modules() if isinstance(m, Linear)]
 
     def compute_logits(self, hidden: Tensor) -> Optional[Tensor]:
-        """hidden [n, hidden_size] (only the rows to sample) -> logits [n, vocab_size] float32.
-        Under TP each rank computes its vocab slice; rank 0 gets them all, other ranks None."""
+        """hidden [n, hidden_size] (only the rows to sample) -> logits [n, vocab_size] in the model's
+        dtype, as vLLM's: the sampler widens them to float32 where a stage computes with them (an
+        all-greedy batch's argmax reads them as they are). Under TP each rank computes its vocab
+        slice; rank 0 gets them all, other ranks None."""
         logits = self.lm_head(hidden)
-        if self.tp.size > 1:
-            logits = self.tp.gather_logits(logits, self.config.vocab_size)
-        return None if logits is None else logits.float()
+        return self.tp.gather_logits(logits, self.config.vocab_size) if self.tp.size > 1 else logits
 
     def _checkpoint_targets(self) -> dict[str, tuple[Tensor, slice, tuple, int]]:
         """Every HF checkpoint name this model needs -> (our parameter, its rows for that weight,
