@@ -20,7 +20,10 @@ MAX_LINES_PER_FILE = 400
 # gate and up rows (cpu_kernels.py) and Linear's silu_and_mul on every path (models/linear.py).
 # 6,800 -> 6,825 for the RMSNorm inside the AMX product too (AmxGemm's norm and its F.linear
 # fallback, the shared checks of a norm's arguments in cpu_kernels.py).
-MAX_LINES_TOTAL = 6825
+# 6,825 -> 6,850 for the AMX product's own silu_and_mul (AmxGemm's, its crossover timed on the
+# layer as it runs, the pass after F.linear shared by every path) and the greedy argmax on bf16
+# logits (cpu_kernels.py, the sampler's float32 only where a stage computes).
+MAX_LINES_TOTAL = 6850
 
 
 def test_line_budget():
