@@ -15,8 +15,9 @@ code it replaces (which stays the fallback, and the only path on CUDA):
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
     silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads (on
                          paths other than gemm.c's, which applies it to its gate_up tiles).
-    argmax.c             each row's argmax (greedy sampling; float32 or bf16 logits), vectorised, where torch's goes one
-                         float at a time (64 rows of 49k logits, Zen 4: ~0.25 ms against ~2.7).
+    argmax.c             each row's argmax (greedy sampling), float32 or bf16 logits, vectorised,
+                         where torch's goes one float at a time (64 rows of 49k logits, Zen 4:
+                         ~0.25 ms against ~2.7).
     gemm.c               a Linear's product on its weight packed once: one of the paths
                          models/linear.py times at start-up (its `kernel`), where decode's 1-64
                          rows run 1.1-1.6x faster than oneDNN's on Zen 4; for the MLP's gate_up,

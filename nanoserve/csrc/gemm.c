@@ -487,10 +487,11 @@ int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight,
            silu_and_mul (gate's and up's) */
         const int per_pass = mblocks > 1 && !silu_and_mul ? 2 : 1;
         const int ahead = blocks_ahead + per_pass - 1;   /* y blocks whose W is asked for before it is needed */
-        for (int n = 0; n < (silu_and_mul ? 2 : 1); n++)   /* the first blocks, which the loop asks for no one */
-            for (const char *line = mine + n * up_offset * 2; line < mine + n * up_offset * 2 + ahead * block_bytes
-                                                               && line < mine_end[n]; line += 64)
+        for (int n = 0; n < (silu_and_mul ? 2 : 1); n++) {   /* the first blocks, which the loop asks for no one */
+            const char *start = mine + n * up_offset * 2;   /* gate's rows, then up's */
+            for (const char *line = start; line < start + ahead * block_bytes && line < mine_end[n]; line += 64)
                 __builtin_prefetch(line, 0, 2);
+        }
         Pending pending = {.count = 0, .done = 0, .bias = bias, .y = y, .M = M, .N = y_columns,
                            .silu_and_mul = silu_and_mul};
         for (int nb = first; nb < end; nb += per_pass) {
