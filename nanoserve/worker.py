@@ -171,7 +171,8 @@ class ModelRunner:
             max_query_len=n, max_seq_len=n)
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
                             torch.arange(n, device=self.device), caches, meta)
-        self.model.compute_logits(hidden[-config.max_num_seqs:])
+        # The logits in the model dtype, and the float32 copy a sampling stage makes of them.
+        self.model.compute_logits(hidden[-config.max_num_seqs:]).float()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - weights
         del caches, hidden
