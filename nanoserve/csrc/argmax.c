@@ -18,7 +18,11 @@
 */
 #include "cpu_kernels.h"
 
-static inline int is_nan(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+static inline int is_nan(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return (bits & 0x7fffffffu) > 0x7f800000u;
+}
 
 /* One row of float32 or bf16 values (`bf16` a constant: inlined into a copy for each). bf16 values
    are widened first (exactly, NaN staying NaN), so the answer is that of the float32 row. */
@@ -40,12 +44,8 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *row,
         }
         for (int l = 0; l < LANES; l++) nan[0] |= nan[l];
         if (nan[0]) {
-            for (int64_t j = 0; j < n; j++) {
-                const float v = value_at(x, j, bf16);
-                uint32_t bits;
-                memcpy(&bits, &v, 4);
-                if (is_nan(bits)) return j;
-            }
+            for (int64_t j = 0; j < n; j++)
+                if (is_nan(value_at(x, j, bf16))) return j;
         }
         best_value = max_value[0], best = at[0];
         for (int l = 1; l < LANES; l++)
@@ -54,9 +54,7 @@ static inline __attribute__((always_inline)) int64_t argmax_row(const void *row,
     }
     for (; i < n; i++) {   /* the last n % LANES values (or a row shorter than LANES) */
         const float v = value_at(x, i, bf16);
-        uint32_t bits;
-        memcpy(&bits, &v, 4);
-        if (is_nan(bits)) return i;   /* the values before it held none */
+        if (is_nan(v)) return i;   /* the values before it held none */
         if (v > best_value) best_value = v, best = i;
     }
     return best;
