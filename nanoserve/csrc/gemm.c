@@ -59,7 +59,11 @@ static inline vfloat broadcast(float x) { return x - (vfloat){}; }
    L2 by each tile of 8 rows; without the prefetch the memory stream stalls the first tile and idles
    during the others. With it, the next panel streams in across all of them: float32, 37 rows,
    cold weights, the bench model's shapes: 8-20% less time a product ("Intel Xeon" with Sapphire
-   Rapids' flags, two builds alternated in one process). */
+   Rapids' flags, two builds alternated in one process).
+   The k loop is unrolled 4 times, and the step that asks for `next` is counted (`fetch_at`), not
+   found by k % every: that integer division ran at every k step, beside 24 FMAs. float32, the
+   bench model's four shapes, 30 layers cycled: 1.03x / 1.09x / 1.10x at 37 / 512 / 1,741 rows
+   (bf16 unchanged; "Intel Xeon" family 6 model 167, two builds alternated in one process). */
 static inline __attribute__((always_inline)) void
 tile(const void *x, const void *panel, const float *bias, float sums[MR][PANEL], int K, const int m,
      const int bf16, const char *next, int phase, int every) {
@@ -68,14 +72,18 @@ tile(const void *x, const void *panel, const float *bias, float sums[MR][PANEL],
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < NV; j++) memcpy(&acc[i][j], bias + j * LANES, sizeof(vfloat));
+    int fetch_at = next ? phase : -1;   /* the next k step that asks for a part of `next` */
     if (!bf16) {
         const float *a = x, *b = panel;
+#pragma GCC unroll 4
         for (int k = 0; k < K; k++) {
             vfloat w[NV];
 #pragma GCC unroll 4
             for (int j = 0; j < NV; j++) memcpy(&w[j], b + (int64_t)k * PANEL + j * LANES, sizeof(vfloat));
-            if (next && k % every == phase)
+            if (k == fetch_at) {
                 for (int j = 0; j < NV; j++) __builtin_prefetch(next + ((int64_t)k * PANEL + j * LANES) * 4, 0, 2);
+                fetch_at += every;
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < m; i++) {
                 const vfloat v = broadcast(a[(int64_t)k * MR + i]);
@@ -86,12 +94,15 @@ tile(const void *x, const void *panel, const float *bias, float sums[MR][PANEL],
     } else {
         const uint16_t *a = x;
         const uint32_t *b = panel;   /* a pair of bf16 weights per uint32: k even in the low half */
+#pragma GCC unroll 4
         for (int k = 0; k < K; k += 2) {
             vuint32 w[NV];
 #pragma GCC unroll 4
             for (int j = 0; j < NV; j++) memcpy(&w[j], b + (int64_t)(k / 2) * PANEL + j * LANES, sizeof(vuint32));
-            if (next && (k / 2) % every == phase)
+            if (k / 2 == fetch_at) {
                 for (int j = 0; j < NV; j++) __builtin_prefetch(next + ((int64_t)(k / 2) * PANEL + j * LANES) * 4, 0, 2);
+                fetch_at += every;
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < m; i++) {
                 const uint32_t pair = ((const uint32_t *)a)[(int64_t)(k / 2) * MR + i];   /* k, k + 1 */
