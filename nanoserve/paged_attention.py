@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nanoserve import cpu_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -192,12 +194,11 @@ def paged_attention_cpu(
     """paged_attention_torch, except that the C kernels of cpu_kernels.py take the decodes
     and the other requests where they are available: they read K/V in place, without the copy.
     Whatever a kernel does not take (not built here, a dtype it lacks) goes through the torch loop."""
-    from nanoserve.cpu_kernels import attention_kernel
-
     out = torch.empty_like(query)
     left: list[int] = []
     for kernel, group in zip(("decode_attention", "prefill_attention"), attn_metadata.cpu_split):
-        if group.indices and not attention_kernel(kernel, query, out, k_cache, v_cache, group, scale):
+        if group.indices and not cpu_kernels.attention_kernel(kernel, query, out, k_cache, v_cache,
+                                                              group, scale):
             left += group.indices
     if left:
         attend_each(query, out, k_cache, v_cache, attn_metadata, scale, left)
