@@ -309,36 +309,6 @@ static void pack_rows_amx(const uint16_t *x, uint32_t *xb, int M, int K, int mb)
     }
 }
 
-/* A 16 x 16 float tile transposed in registers: rows[i][j] -> cols[j][i]. Three rounds of
-   shuffles (pairs of rows interleaved, then fours, then 128-bit quarters), 64 in all. Against a
-   gather per column: 1.00-1.035x for the products below (the bench model's shapes, cold, 8 to 64
-   rows, "Intel Xeon" family 6 model 167), and gathers are slower still on CPUs whose microcode
-   mitigates Gather Data Sampling. */
-static inline void transpose_16x16(const float rows[16][16], __m512 cols[16]) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(rows[i]);
-    for (int i = 0; i < 8; i++) {   /* quarter q: r2i[4q], r2i+1[4q], r2i[4q+1], r2i+1[4q+1] | [4q+2], [4q+3] */
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {   /* r[4i + c], quarter q: rows 4i..4i+3 of column 4q + c */
-        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int c = 0; c < 4; c++) {   /* column 4q + c: quarter q of r[c], r[4 + c], r[8 + c], r[12 + c] */
-        const __m512 ab02 = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512 ab13 = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
-        const __m512 ef02 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512 ef13 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
-        cols[c] = _mm512_shuffle_f32x4(ab02, ef02, _MM_SHUFFLE(2, 0, 2, 0));
-        cols[4 + c] = _mm512_shuffle_f32x4(ab13, ef13, _MM_SHUFFLE(2, 0, 2, 0));
-        cols[8 + c] = _mm512_shuffle_f32x4(ab02, ef02, _MM_SHUFFLE(3, 1, 3, 1));
-        cols[12 + c] = _mm512_shuffle_f32x4(ab13, ef13, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-}
-
 /* One sum tile (16 outputs n0.. x 16 rows m0..) + bias -> y, transposed back, rounded to bf16 as
    oneDNN rounds (to nearest even). */
 static void store_transposed(float sums[16][16], const float *bias, uint16_t *y, int M, int N,
@@ -346,7 +316,7 @@ static void store_transposed(float sums[16][16], const float *bias, uint16_t *y,
     const int outputs = N - n0 < 16 ? N - n0 : 16;
     const __m512 b = _mm512_maskz_loadu_ps((__mmask16)((1u << outputs) - 1), bias + n0);
     __m512 cols[16];
-    transpose_16x16((const float (*)[16])sums, cols);
+    transpose_16x16(sums, 64, cols);
     for (int r = 0; r < 16 && m0 + r < M; r++) {
         const __m256bh row = _mm512_cvtneps_pbh(_mm512_add_ps(cols[r], b));
         _mm256_mask_storeu_epi16(y + (int64_t)(m0 + r) * N + n0, (__mmask16)((1u << outputs) - 1), (__m256i)row);
@@ -374,8 +344,8 @@ static void store_silu_and_mul(float gate[16][16], float up[16][16], const float
                                int M, int N, int n0, int m0) {
     const __m512 gate_bias = _mm512_loadu_ps(bias + n0), up_bias = _mm512_loadu_ps(bias + N + n0);
     __m512 g[16], u[16];
-    transpose_16x16((const float (*)[16])gate, g);
-    transpose_16x16((const float (*)[16])up, u);
+    transpose_16x16(gate, 64, g);
+    transpose_16x16(up, 64, u);
     for (int r = 0; r < 16 && m0 + r < M; r++) {
         const vfloat out = silu_mul_lanes(rounded_lanes((vfloat)_mm512_add_ps(g[r], gate_bias)),
                                           rounded_lanes((vfloat)_mm512_add_ps(u[r], up_bias)), 1);
