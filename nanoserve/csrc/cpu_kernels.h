@@ -253,7 +253,7 @@ static inline vfloat exp2_lanes(vfloat t) {
     const vint32 whole = __builtin_convertvector(t - 0.5f, vint32);   /* truncation: the nearest, t <= 0 */
     const vfloat n = __builtin_convertvector(whole, vfloat);
 #endif
-    const vfloat f = t - (vfloat)n;   /* ln2^k / k! */
+    const vfloat f = t - (vfloat)n;   /* the series' coefficients: ln2^k / k! */
     const vfloat p = 1.f + f * (0.6931471806f + f * (0.2402265070f + f * (0.0555041087f + f * (0.0096181291f
                      + f * (0.0013333558f + f * 0.0001540353f)))));
 #if LANES == 16
