@@ -288,7 +288,7 @@ def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mu
     norm (an RMSNorm: its weight and eps): the product of `rms_norm(x, residual, weight, eps)`
     instead of x (residual, if given, updated in place the same way), without storing the
     normalised rows."""
-    rows = _as_rows(x).to(packed.dtype).contiguous()
+    rows = _as_rows(x.to(packed.dtype))
     weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
     out = rows.new_empty(rows.shape[0], out_features)
     if load().gemm(rows.data_ptr(), residual_ptr, weight, eps, packed.data_ptr(), bias.data_ptr(),

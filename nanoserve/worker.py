@@ -171,11 +171,12 @@ class ModelRunner:
             max_query_len=n, max_seq_len=n)
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
                             torch.arange(n, device=self.device), caches, meta)
-        # The logits in the model dtype, and the float32 copy a sampling stage makes of them.
-        self.model.compute_logits(hidden[-config.max_num_seqs:]).float()
+        # The logits in the model dtype and the float32 copy a sampling stage makes (TP: rank 0 only).
+        logits = self.model.compute_logits(hidden[-config.max_num_seqs:])
+        logits = None if logits is None else logits.float()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - weights
-        del caches, hidden
+        del caches, hidden, logits
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         usable = kv_cache_memory_budget(total, config.gpu_memory_utilization, weights, peak)
