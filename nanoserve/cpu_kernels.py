@@ -153,14 +153,13 @@ def attention_kernel(name: str, query: Tensor, out: Tensor, k_cache: Tensor, v_c
     if kernels is None or not _takes(query, out, k_cache, v_cache):
         return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    query_start, query_len, block_tables, seq_lens, count, max_blocks = requests.arguments
     # A decode's one token is at its query_start; the prefill kernel also needs the lengths.
-    arrays = [requests.query_start, requests.block_tables, requests.seq_lens]
-    if name == "prefill_attention":
-        arrays.insert(1, requests.query_len)
+    arrays = ((query_start, block_tables, seq_lens) if name == "decode_attention"
+              else (query_start, query_len, block_tables, seq_lens))
     status = getattr(kernels, name)(
-        query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        *(a.data_ptr() for a in arrays), len(requests.indices), requests.block_tables.shape[1],
-        block_size, num_kv_heads, query.shape[1] // num_kv_heads, head_dim, scale,
+        query.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *arrays, count,
+        max_blocks, block_size, num_kv_heads, query.shape[1] // num_kv_heads, head_dim, scale,
         int(query.dtype == torch.bfloat16), torch.get_num_threads())
     return status == 0
 
@@ -274,10 +273,11 @@ def _norm_arguments(rows: Tensor, norm, residual: Optional[Tensor]) -> tuple:
     if norm is None:
         return None, 0.0, None
     # rows are contiguous and in W's dtype by construction; these may not be
-    extra = [norm.weight] + ([] if residual is None else [residual])
-    if not _takes(rows, *extra) or (residual is not None and residual.shape != rows.shape):
+    weight = norm.weight
+    if not (_takes(rows, weight) if residual is None else
+            residual.shape == rows.shape and _takes(rows, weight, residual)):
         raise ValueError("gemm's residual and norm weight must be contiguous, in the rows' dtype")
-    return norm.weight.data_ptr(), norm.eps, None if residual is None else residual.data_ptr()
+    return weight.data_ptr(), norm.eps, None if residual is None else residual.data_ptr()
 
 
 def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mul: bool = False,
@@ -290,11 +290,12 @@ def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mu
     normalised rows."""
     rows = _as_rows(x.to(packed.dtype))
     weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
-    out = rows.new_empty(rows.shape[0], out_features)
+    m, k = rows.shape
+    out = rows.new_empty(m, out_features)
     if load().gemm(rows.data_ptr(), residual_ptr, weight, eps, packed.data_ptr(), bias.data_ptr(),
-                   out.data_ptr(), rows.shape[0], out_features, rows.shape[1],
-                   int(rows.dtype == torch.bfloat16), int(silu_and_mul), torch.get_num_threads()):
-        raise MemoryError(f"gemm.c could not allocate its copies of x ({rows.shape[0]} x {rows.shape[1]})")
+                   out.data_ptr(), m, out_features, k, int(rows.dtype == torch.bfloat16),
+                   int(silu_and_mul), torch.get_num_threads()):
+        raise MemoryError(f"gemm.c could not allocate its copies of x ({m} x {k})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
@@ -313,10 +314,9 @@ def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor, norm=None, residual: Optio
     memory, silu_and_mul with out / 2 not a multiple of 16), with nothing changed."""
     rows = _as_rows(x)
     norm_weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
-    out_features = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
-    out = rows.new_empty(rows.shape[0], out_features)
+    (m, k), n = rows.shape, weight.shape[0]
+    out = rows.new_empty(m, n // 2 if silu_and_mul else n)
     if load().gemm_amx(rows.data_ptr(), residual_ptr, norm_weight, eps, weight.data_ptr(), bias.data_ptr(),
-                       out.data_ptr(), rows.shape[0], weight.shape[0], rows.shape[1], int(silu_and_mul),
-                       torch.get_num_threads()):
+                       out.data_ptr(), m, n, k, int(silu_and_mul), torch.get_num_threads()):
         return None
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])

@@ -105,14 +105,16 @@ class RequestGroup(NamedTuple):
     query_len: Tensor      # [n]
     block_tables: Tensor   # [n, max_blocks_per_req]
     seq_lens: Tensor       # [n]
+    arguments: tuple[int, ...]   # the 4 addresses, n, max_blocks_per_req: once a step, not a layer
 
     @staticmethod
     def of(md: AttentionMetadata, selected: Tensor) -> "RequestGroup":
         rows = selected.nonzero().flatten()
         qsl = md.query_start_loc
-        return RequestGroup(rows.tolist(), qsl[rows].to(torch.int32),
-                            (qsl[rows + 1] - qsl[rows]).to(torch.int32),
-                            md.block_tables[rows].to(torch.int32), md.seq_lens[rows].to(torch.int32))
+        arrays = (qsl[rows].to(torch.int32), (qsl[rows + 1] - qsl[rows]).to(torch.int32),
+                  md.block_tables[rows].to(torch.int32), md.seq_lens[rows].to(torch.int32))
+        return RequestGroup(rows.tolist(), *arrays,
+                            (*(a.data_ptr() for a in arrays), len(rows), arrays[2].shape[1]))
 
 
 # ----------------------------------------------------------------------------- torch (CPU + reference)

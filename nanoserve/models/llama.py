@@ -199,6 +199,7 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
         out = self.o_proj(out.view(n, self.q_size))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+    __call__ = forward   # without nn.Module's hook checks: see Linear.__call__
 
 
 class LlamaMLP(nn.Module):
@@ -216,6 +217,7 @@ class LlamaMLP(nn.Module):
         """norm, residual: applied to x first, inside gate_up_proj (Linear's `norm`)."""
         out = self.down_proj(self.gate_up_proj(x, norm, residual))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+    __call__ = forward   # without nn.Module's hook checks: see Linear.__call__
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -235,6 +237,7 @@ class LlamaDecoderLayer(nn.Module):
         out = self.self_attn(rope, hidden, kv_cache, attn_metadata, self.input_layernorm, residual)
         residual = hidden if residual is None else residual   # now the sum, either way
         return self.mlp(out, self.post_attention_layernorm, residual), residual
+    __call__ = forward   # without nn.Module's hook checks: see Linear.__call__
 
 
 class LlamaModel(nn.Module):
