@@ -40,6 +40,7 @@ from nanoserve.model_loader import (CPU_KV_CACHE_GB, iterate_weights, kv_cache_m
                                     resolve_dtype, resolve_model_path)
 from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models import get_model_class
+from nanoserve.models.decode_plan import DecodePlan
 from nanoserve.models.linear import choose_cpu_gemms
 from nanoserve.paged_attention import AttentionMetadata
 from nanoserve.cpu_kernels import load as load_cpu_kernels
@@ -113,6 +114,8 @@ class ModelRunner:
             self.model.linears(config.max_num_batched_tokens, config.max_num_seqs),
             config.cpu_gemm if self.device.type == "cpu" else "torch",
             shared=frozenset({id(self.model.model.embed_tokens.weight)}))
+        # Decode steps as one loop of C calls where every product is on gemm.c (decode_plan.py)
+        self.decode_plan = DecodePlan.build(self.model) if self.device.type == "cpu" else None
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
         self.config = config.resolve(max_position_embeddings=max_len_of(self.model),
@@ -239,7 +242,10 @@ class ModelRunner:
         start = time.perf_counter()
         input_ids, positions, meta, logits_indices, sampling = self.prepare_inputs(out)
         forward_start = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        plan = self.decode_plan
+        hidden = None if plan is None else plan(input_ids, positions, self.kv_caches, meta)
+        if hidden is None:   # no plan here, or a step it does not take
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self.timings["prepare"] += forward_start - start
         if not sampling:
             self.timings["forward"] += time.perf_counter() - forward_start
