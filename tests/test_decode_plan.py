@@ -18,7 +18,9 @@ from nanoserve.paged_attention import AttentionMetadata
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 BLOCK = 4
-PATHS = [(torch.float32, "kernel"), (torch.bfloat16, "kernel"), (torch.bfloat16, "amx")]
+# Every product on gemm.c (kernel, amx) or on F.linear (torch: the plan calls the Linear itself).
+PATHS = [(torch.float32, "kernel"), (torch.bfloat16, "kernel"), (torch.bfloat16, "amx"),
+         (torch.float32, "torch"), (torch.bfloat16, "torch")]
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 
@@ -86,13 +88,20 @@ def test_plan_equals_the_model_to_the_bit(dtype, path, bias):
 
 
 def test_plan_leaves_the_model_what_it_cannot_run():
-    assert DecodePlan.build(make_model(torch.float32, "torch")) is None       # F.linear products
     qwen3 = Qwen3Config(**TINY, head_dim=16, architectures=["Qwen3ForCausalLM"])
     assert DecodePlan.build(make_model(torch.float32, "kernel", qwen3)) is None   # q/k norms
-    if cpu_kernels.gemm_amx_ready():                       # more rows than the AMX loop takes
-        model = make_model(torch.bfloat16, "amx")
-        for layer in model.model.layers:
-            layer.mlp.down_proj.gemm.loop_rows = 2
-        plan = DecodePlan.build(model)
-        positions, md = step([4, 4, 4], [1, 1, 1])
-        assert plan(torch.tensor([1, 2, 3]), positions, caches(model, torch.bfloat16), md) is None
+    assert DecodePlan.build(make_model(torch.float16, "torch")) is None       # no kernels for fp16
+
+
+@pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX on this CPU")
+def test_plan_runs_rows_above_the_amx_loop_as_the_model_does():
+    """A product whose AMX loop stops below the step's rows: F.linear, through its Linear."""
+    model = make_model(torch.bfloat16, "amx")
+    for layer in model.model.layers:
+        layer.mlp.down_proj.gemm.loop_rows = 2
+    plan, kv = DecodePlan.build(model), caches(model, torch.bfloat16)
+    theirs = [(k.clone(), v.clone()) for k, v in kv]
+    positions, md = step([4, 4, 4], [1, 1, 1])
+    with torch.inference_mode():
+        ids = torch.tensor([1, 2, 3])
+        assert torch.equal(plan(ids, positions, kv, md), model(ids, positions, theirs, md))
