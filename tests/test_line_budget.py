@@ -26,7 +26,7 @@ MAX_LINES_PER_FILE = 400
 # 6,850 -> 6,875 for less Python between the C kernels (in the engine, with its caches cold, ~4.9 ->
 # ~4.0 ms of a 54 ms bf16 decode step): each step's attention arguments taken once
 # (paged_attention.RequestGroup.arguments), the model's modules called without nn.Module's hooks.
-# 6,875 -> 7,025 for the CPU decode plan (models/decode_plan.py, 159 lines): a decode step as one flat
+# 6,875 -> 7,025 for the CPU decode plan (models/decode_plan.py, 160 lines): a decode step as one flat
 # loop of C calls, the job CUDA graphs do in vLLM; ~1.04x the 64-request workload in bf16 and float32.
 MAX_LINES_TOTAL = 7025
 

@@ -51,7 +51,8 @@ class Product(NamedTuple):
     bias: int
     shape: tuple
     max_rows: int        # the most rows the C path multiplies itself (amx: its loop's)
-    linear: Linear       # also keeps the tensors behind the pointers alive (through its gemm)
+    linear: Linear
+    gemm: object         # the Linear's gemm at build: keeps the tensors behind the pointers alive
 
 
 def product_of(linear: Linear, kernels) -> Product:
@@ -59,12 +60,12 @@ def product_of(linear: Linear, kernels) -> Product:
     if isinstance(gemm, AmxGemm):
         rows, cols = gemm.weight.shape
         return Product(kernels.gemm_amx, gemm.weight.data_ptr(), gemm.bias_f32.data_ptr(),
-                       (rows, cols, silu), gemm.loop_rows, linear)
+                       (rows, cols, silu), gemm.loop_rows, linear, gemm)
     if isinstance(gemm, KernelGemm):
         bf16 = int(gemm.packed.dtype == torch.bfloat16)
         return Product(kernels.gemm, gemm.packed.data_ptr(), gemm.bias.data_ptr(),
-                       (gemm.out_features, linear.in_features, bf16, silu), 1 << 30, linear)
-    return Product(None, 0, 0, (), 0, linear)
+                       (gemm.out_features, linear.in_features, bf16, silu), 1 << 30, linear, gemm)
+    return Product(None, 0, 0, (), 0, linear, gemm)
 
 
 class Norm(NamedTuple):
