@@ -114,7 +114,7 @@ class ModelRunner:
             self.model.linears(config.max_num_batched_tokens, config.max_num_seqs),
             config.cpu_gemm if self.device.type == "cpu" else "torch",
             shared=frozenset({id(self.model.model.embed_tokens.weight)}))
-        # Decode steps as one loop of C calls where every product is on gemm.c (decode_plan.py)
+        # Decode steps as one flat loop of the model's C calls (decode_plan.py); None without the kernels
         self.decode_plan = DecodePlan.build(self.model) if self.device.type == "cpu" else None
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
