@@ -218,31 +218,19 @@ static inline vfloat splat(float x) { return (vfloat){0} + x; }
 
 static inline vfloat max_lanes(vfloat a, vfloat b) { return select_lanes(a > b, a, b); }
 
-/* e^x lane by lane for x <= 0 (softmax arguments), relative error ~2e-7: x = n ln2 + f with
-   |f| <= ln2 / 2, e^f by its Taylor series to f^6, 2^n built in the exponent bits. Below -87 the
-   result is 0 (a masked score, -FLT_MAX, weighs nothing). Why 0 and not e^-87 (~1.6e-38, the
-   smallest the formula builds): that weight times a V value below 0.7 is a denormal, and the CPU
-   computes each denormal in a slow microcode assist. Masked keys are in every tile's diagonal
-   chunks (prefill_attention.c), and float32 prefill attention took ~3x as long with them (36-43 against 12 ms for six
-   prompts of 52-487 tokens, "Intel Xeon" with Sapphire Rapids' flags; bf16 rounds weights
-   without denormals and was unaffected). */
-static inline vfloat exp_lanes(vfloat x) {
-    const vint32 tiny = x < -87.0f;
-    x = max_lanes(x, splat(-87.0f));
-    vfloat t = x * 1.44269504f - 0.5f;              /* n = round(x / ln2) = ceil(t): t <= 0 */
-    vint32 n = __builtin_convertvector(t, vint32);    /* truncation: ceil for negative t */
-    vfloat nf = __builtin_convertvector(n, vfloat);
-    vfloat f = x - nf * 0.693359375f + nf * 2.12194440e-4f;   /* ln2 in two parts (Cody-Waite) */
-    vfloat p = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720))))));
-    vint32 scale = (n + 127) << 23;
-    return select_lanes(tiny, splat(0.f), p * (vfloat)scale);
-}
+#define LOG2E 1.4426950409f   /* e^x = 2^(x LOG2E) */
 
-/* 2^t lane by lane for t <= 0, 0 below -125 (never a denormal: exp_lanes says why). For a
-   softmax whose scale folds into the argument: e^(scale (s - m)) = 2^(s c - m c), c = scale log2 e,
-   one multiply-add. t = n + f with |f| <= 1/2, 2^f by the series of e^(f ln2) to f^6 (exp_lanes'
-   accuracy). With AVX-512 the rounding and the 2^n are one instruction each (vrndscaleps,
-   vscalefps): 10 instructions where exp_lanes and the scale's multiply take 18. */
+/* 2^t lane by lane for t <= 0 (softmax arguments, as e^x = 2^(x LOG2E)), relative error ~2.2e-7.
+   For a softmax whose scale folds into the argument: e^(scale (s - m)) = 2^(s c - m c), c = scale
+   log2 e, one multiply-add. t = n + f with |f| <= 1/2, 2^f by the series of e^(f ln2) to f^6; with
+   AVX-512 the rounding and the 2^n are one instruction each (vrndscaleps, vscalefps): 10
+   instructions where e^x by a Cody-Waite split and 2^n in the exponent bits took 18.
+   Below -125 the result is 0 (a masked score, -FLT_MAX, weighs nothing). Why 0 and not 2^-125
+   (~2.4e-38, the smallest the formula builds): that weight times a V value below 0.5 is a
+   denormal, and the CPU computes each denormal in a slow microcode assist. Masked keys are in
+   every tile's diagonal chunks (prefill_attention.c), and float32 prefill attention took ~3x as
+   long with them (36-43 against 12 ms for six prompts of 52-487 tokens, "Intel Xeon" with
+   Sapphire Rapids' flags; bf16 rounds weights without denormals and was unaffected). */
 static inline vfloat exp2_lanes(vfloat t) {
 #if LANES == 16
     const __mmask16 kept = _mm512_cmp_ps_mask((__m512)t, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
@@ -268,12 +256,12 @@ static inline vfloat exp2_lanes(vfloat t) {
    sigmoid from e = e^-|g|, which never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
    Why not expf: the compiler's vector expf (glibc's libmvec) took ~3x the time of reading the
    rows. e as 2^(-|g| log2 e) by exp2_lanes: with AVX-512, silu_and_mul.c on 1,741 x 1,536 values
-   1.12x in bf16 (the same bits here), 1.11x in float32 (within 4e-7 of exp_lanes' results).
+   1.12x in bf16 (the same bits here), 1.11x in float32 (within 4e-7 of e^x by a Cody-Waite split).
    Used by silu_and_mul.c and by gemm.c's gate_up product, which applies it to its tiles.
    Worked example: g = [0, 2], u = [3, 4] -> [0 * 3, 1.7616 * 4] = [0, 7.0464]. */
 static inline vfloat silu_mul_lanes(vfloat g, vfloat u, int bf16) {
     const vint32 negative = g < 0.f;
-    const vfloat e = exp2_lanes(select_lanes(negative, g, -g) * 1.4426950409f);
+    const vfloat e = exp2_lanes(select_lanes(negative, g, -g) * LOG2E);
     vfloat silu = g * select_lanes(negative, e, splat(1.f)) / (1.f + e);
     if (bf16) silu = rounded_lanes(silu);
     return silu * u;

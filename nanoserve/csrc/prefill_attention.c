@@ -38,7 +38,6 @@
 #include "cpu_kernels.h"
 
 enum { CHUNK = 8 }; /* key positions per step: CHUNK score vectors + one query vector in registers */
-#define LOG2E 1.4426950409f /* e^x = 2^(x log2 e): the online softmax's weights by exp2_lanes */
 
 /* One KV head's row (`offset` into the cached row of every KV head) as float32: fp32 in place,
    bf16 widened into `buf`. */
