@@ -29,8 +29,8 @@ The kernels are compiled on first use with the system C compiler (`$CC`, else `c
 -march=native for this machine's vector units and OpenMP for its cores, into a cache directory
 keyed by the source, the flags and the CPU; later processes just load it. Without a compiler, or
 on a platform where the build fails, `load()` returns None and every caller keeps its torch path
-(one warning).
-NANOSERVE_CPU_KERNEL=0 in the environment keeps them off (to compare the two paths).
+(one warning). NANOSERVE_CPU_KERNEL=0 in the environment keeps them off (to compare the two paths);
+NANOSERVE_CPU_MARCH=x86-64-v3 (any -march) builds them as for another machine (here: AVX2 loops).
 
     from nanoserve.cpu_kernels import load
     kernels = load()         # the ctypes library (.decode_attention, .rms_norm, ...), or None
@@ -58,7 +58,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c",
                                      "silu_and_mul.c", "argmax.c", "gemm.c")]
 HEADER = CSRC / "cpu_kernels.h"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-Werror",
+FLAGS = ["-O3", f"-march={os.environ.get('NANOSERVE_CPU_MARCH', 'native')}", "-fopenmp", "-fPIC", "-Werror",
          # Vectorised dot products (float sums reassociated) and expf (glibc's vector libmvec).
          "-ffast-math"]
 # Linked in a second step without -ffast-math: linking with it adds crtfastmath.o (GCC 12),

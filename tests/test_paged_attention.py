@@ -130,7 +130,7 @@ def test_cpu_kernels_compile_for_other_x86_machines(march, tmp_path):
     compiler = os.environ.get("CC", "cc")
     if not sys.platform.startswith("linux") or shutil.which(compiler) is None:
         pytest.skip("the C kernels need Linux and a C compiler")
-    flags = [f"-march={march}" if f == "-march=native" else f for f in cpu_kernels.FLAGS]
+    flags = [f"-march={march}" if f.startswith("-march=") else f for f in cpu_kernels.FLAGS]
     probe = subprocess.run([compiler, f"-march={march}", "-x", "c", "-c", "-", "-o", str(tmp_path / "p.o")],
                            input="int x;", capture_output=True, text=True)
     if probe.returncode:
@@ -139,6 +139,45 @@ def test_cpu_kernels_compile_for_other_x86_machines(march, tmp_path):
         built = subprocess.run([compiler, *flags, "-c", str(source), "-o", str(tmp_path / "k.o")],
                                capture_output=True, text=True)
         assert built.returncode == 0, f"{source.name}, -march={march}:\n{built.stderr}"
+
+
+# What code built for each -march needs of the CPU that runs it (/proc/cpuinfo's names; the
+# extensions compiled loops can use, not ones only intrinsics reach, such as PKU, which a virtual
+# machine may hide), and the vector width its kernels then use. x86-64-v4: AVX-512 without AVX512-BF16 (bf16 widened to
+# float32, as on a Skylake or Ice Lake Xeon); cooperlake: AVX512-BF16 without AMX (the code a Zen 4
+# or Zen 5 runs); x86-64-v3: AVX2 (8 lanes); x86-64: SSE2 (4 lanes).
+V3 = {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}
+V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+X86_LEVELS = {"cooperlake": (V4 | {"avx512_vnni", "avx512_bf16"}, 16),
+              "x86-64-v4": (V4, 16), "x86-64-v3": (V3, 8), "x86-64": (set(), 4)}
+KERNEL_ORACLES = ["tests/test_paged_attention.py", "tests/test_models.py", "tests/test_decode_plan.py",
+                  "tests/test_sampler.py", "tests/test_llm.py"]
+
+
+@pytest.mark.parametrize("march", list(X86_LEVELS))
+def test_cpu_kernels_match_torch_as_other_x86_machines_build_them(march):
+    """The kernels' oracle tests (paged == dense, products and norms == torch, the decode plan ==
+    the model, argmax, greedy == HF), run again on the kernels as a machine of another x86 level
+    builds them (NANOSERVE_CPU_MARCH, in a child process). This CPU runs code built for an older
+    level, so the loops a machine without AMX, without AVX512-BF16, with AVX2 or with SSE2 only
+    takes (8 or 4 lanes, bf16 widened) are run and checked here, not only compiled."""
+    compiler = os.environ.get("CC", "cc")
+    if not sys.platform.startswith("linux") or shutil.which(compiler) is None:
+        pytest.skip("the C kernels need Linux and a C compiler")
+    needs, lanes = X86_LEVELS[march]
+    missing = needs - set(cpu_kernels._cpu_flags().decode().split())
+    if missing:
+        pytest.skip(f"this CPU cannot run code built for {march} (no {', '.join(sorted(missing))})")
+    env = {**os.environ, "NANOSERVE_CPU_MARCH": march}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    width = subprocess.run([sys.executable, "-c", "from nanoserve import cpu_kernels as k; "
+                            "print(k.load().gemm_panel_width())"], env=env, cwd=root,
+                           capture_output=True, text=True)
+    assert width.returncode == 0, width.stderr[-3000:]
+    assert int(width.stdout) == 3 * lanes   # gemm.c's panel: 3 vectors of LANES floats
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_ORACLES,
+                          "-k", "not other_x86_machines"], env=env, cwd=root, capture_output=True, text=True)
+    assert run.returncode == 0, f"-march={march}:\n{run.stdout[-6000:]}{run.stderr[-2000:]}"
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
