@@ -143,9 +143,9 @@ def test_cpu_kernels_compile_for_other_x86_machines(march, tmp_path):
 
 # What code built for each -march needs of the CPU that runs it (/proc/cpuinfo's names; the
 # extensions compiled loops can use, not ones only intrinsics reach, such as PKU, which a virtual
-# machine may hide), and the vector width its kernels then use. x86-64-v4: AVX-512 without AVX512-BF16 (bf16 widened to
-# float32, as on a Skylake or Ice Lake Xeon); cooperlake: AVX512-BF16 without AMX (the code a Zen 4
-# or Zen 5 runs); x86-64-v3: AVX2 (8 lanes); x86-64: SSE2 (4 lanes).
+# machine may hide), and the vector width its kernels then use. x86-64-v4: AVX-512 without
+# AVX512-BF16 (bf16 widened to float32, as on a Skylake or Ice Lake Xeon); cooperlake: AVX512-BF16
+# without AMX (the code a Zen 4 or Zen 5 runs); x86-64-v3: AVX2 (8 lanes); x86-64: SSE2 (4 lanes).
 V3 = {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 X86_LEVELS = {"cooperlake": (V4 | {"avx512_vnni", "avx512_bf16"}, 16),
