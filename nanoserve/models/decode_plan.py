@@ -84,8 +84,9 @@ class Layer(NamedTuple):
 
 
 class DecodePlan:
-    def __init__(self, model, layers: list[Layer]):
+    def __init__(self, model, layers: list[Layer], kernels):
         self.model, self.layers = model, layers
+        self.rope, self.attend = kernels.rope_store_kv, kernels.decode_attention
         attn = model.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale, self.dtype = attn.scale, model.model.embed_tokens.weight.dtype
@@ -108,7 +109,7 @@ class DecodePlan:
             norms = [Norm(norm, norm.weight.data_ptr(), norm.eps)
                      for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
             layers.append(Layer(*products, *norms))
-        return DecodePlan(model, layers)
+        return DecodePlan(model, layers, kernels)
 
     @torch.inference_mode()
     def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -129,7 +130,7 @@ class DecodePlan:
         cos_p, sin_p, slots = cos.data_ptr(), sin.data_ptr(), attn_metadata.slot_mapping.data_ptr()
         query_start, _, block_tables, seq_lens, count, max_blocks = decodes.arguments
         threads, bf16 = torch.get_num_threads(), int(hidden.dtype == torch.bfloat16)
-        rope, attend = cpu_kernels.load().rope_store_kv, cpu_kernels.load().decode_attention
+        rope, attend = self.rope, self.attend
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         block_size = kv_caches[0][0].shape[1]
 
@@ -139,9 +140,8 @@ class DecodePlan:
             if p.fn is None or n > p.max_rows:   # not a C call here: the Linear, as the model calls it
                 y.copy_(p.linear(x) if norm is None else p.linear(x, norm.module, residual))
                 return 0
-            return p.fn(x.data_ptr(), None if norm is None else residual.data_ptr(),
-                        *((None, 0.0) if norm is None else norm[1:]), p.weight, p.bias, y.data_ptr(),
-                        n, *p.shape, threads)
+            norm_args = (None, None, 0.0) if norm is None else (residual.data_ptr(), norm.weight, norm.eps)
+            return p.fn(x.data_ptr(), *norm_args, p.weight, p.bias, y.data_ptr(), n, *p.shape, threads)
 
         failed = 0
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
