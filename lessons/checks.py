@@ -85,7 +85,7 @@ def check_paged_decode(mod, say) -> None:
 
 # -- 6.3 KV sizing ------------------------------------------------------------------------------
 def check_kv_sizing(mod, say) -> None:
-    from nanoserve.memory import memory_report
+    from nanoserve.tools.memory import memory_report
     llama = str(LESSONS.parent / "examples" / "llama-3-8b-config.json")
     cases = [dict(model="nanoserve-tiny"), dict(model=llama, device_memory_gb=24),
              dict(model=llama, device_memory_gb=80, block_size=32),

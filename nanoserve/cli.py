@@ -56,18 +56,18 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _trace(args: argparse.Namespace) -> None:
-    from nanoserve.replay import main as replay
+    from nanoserve.tools.replay import main as replay
     replay(args.file, step=args.step, speed=args.speed, plot=args.plot, summary=args.summary,
            chrome=args.chrome, compare=args.compare)
 
 
 def _memory(args: argparse.Namespace) -> None:
-    from nanoserve.memory import main as memory
+    from nanoserve.tools.memory import main as memory
     memory(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
 
 
 def _cost(args: argparse.Namespace) -> None:
-    from nanoserve.cost import main as cost
+    from nanoserve.tools.cost import main as cost
     cost(**{k: v for k, v in vars(args).items() if k not in ("command", "func")})
 
 
@@ -75,11 +75,11 @@ def _bench(args: argparse.Namespace) -> None:
     if args.serve:
         import inspect
 
-        from nanoserve import bench_serve
+        from nanoserve.tools import bench_serve
         wanted = inspect.signature(bench_serve.main).parameters
         bench_serve.main(**{k: v for k, v in vars(args).items() if k in wanted})
         return
-    from nanoserve import bench
+    from nanoserve.tools import bench
     config = {k: v for k, v in vars(args).items()
               if k in {f.name for f in dataclasses.fields(Config)} and k not in ("model", "dtype")}
     bench.main(args.model, args.num_prompts, args.input_len, args.output_len, args.dtype, **config)

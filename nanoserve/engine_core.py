@@ -29,7 +29,7 @@ from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request
 from nanoserve.scheduler import Scheduler
 from nanoserve.trace import Tracer
 from nanoserve.executor import MultiprocExecutor
-from nanoserve.worker import ModelRunner
+from nanoserve.model_runner import ModelRunner
 
 
 class EngineCore:

@@ -28,68 +28,17 @@ Run the tests:
 from __future__ import annotations
 
 import multiprocessing
-import os
-import threading
-import traceback
 import weakref
 from multiprocessing.connection import wait
 
 from nanoserve.config import Config
-from nanoserve.distributed import TensorParallel, free_port, init_tensor_parallel
+from nanoserve.distributed import free_port
 from nanoserve.models.llama import shard_for_tp
-from nanoserve.model_loader import resolve_device, resolve_model_path
+from nanoserve.model_loader import resolve_model_path
 from nanoserve.request import SchedulerOutput
-from nanoserve.worker import ModelRunner
+from nanoserve.worker import run_worker
 
 JOIN_TIMEOUT_S = 5.0
-
-
-class Worker:
-    """One rank: joins the group, picks its device, then loads its shard into a ModelRunner."""
-
-    def __init__(self, config: Config, rank: int, init_method: str):
-        size = config.tensor_parallel_size
-        device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device))
-        self.runner = ModelRunner(config, TensorParallel(rank, size), device)
-
-    def describe(self) -> dict:
-        """What the engine core reads from its runner (sent once, by rank 0)."""
-        r = self.runner
-        return dict(config=r.config, model_path=r.model_path, hf_config=r.hf_config,
-                    vocab_size=r.vocab_size, dtype=r.dtype, device=r.device,
-                    gemm_paths=r.gemm_paths)
-
-
-def _exit_with_parent() -> None:
-    """Exit this process the moment its parent does (even while stuck in a collective)."""
-    parent = multiprocessing.parent_process()
-
-    def watch() -> None:
-        wait([parent.sentinel])
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def run_worker(config: Config, rank: int, init_method: str, conn) -> None:
-    """A worker process's main loop: a SchedulerOutput in, a step; None in, stop."""
-    _exit_with_parent()
-    try:
-        worker = Worker(config, rank, init_method)
-        conn.send(("ready", worker.describe() if rank == 0 else None))
-        while (scheduler_output := conn.recv()) is not None:
-            result = worker.runner.execute_model(scheduler_output)
-            if rank == 0:    # with this step's timings, which start again from zero
-                timings = worker.runner.timings
-                conn.send(("result", (*result, dict(timings))))
-                timings.update(dict.fromkeys(timings, 0.0))
-    except EOFError:     # the engine core closed the pipe: nothing left to do
-        pass
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 class WorkerError(RuntimeError):

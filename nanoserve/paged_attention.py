@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 
 
 @dataclass
@@ -213,7 +213,7 @@ def paged_attention_cpu(
 def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write this step's key/value `[num_tokens, num_kv_heads, head_dim]` into the paged caches."""
     if key.is_cuda:
-        from nanoserve.paged_attention_triton import store_kv_triton
+        from nanoserve.cuda.paged_attention_triton import store_kv_triton
 
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -225,7 +225,7 @@ def paged_attention(
 ) -> Tensor:
     """Attention of this step's queries over the paged cache (run `store_kv` first)."""
     if query.is_cuda:
-        from nanoserve.paged_attention_triton import paged_attention_triton
+        from nanoserve.cuda.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(query, k_cache, v_cache, attn_metadata, scale)
     return paged_attention_cpu(query, k_cache, v_cache, attn_metadata, scale)

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

@@ -1,276 +1,75 @@
-"""worker.py: the ModelRunner, which turns one SchedulerOutput into sampled tokens.
+"""worker.py: one tensor-parallel rank in its own process: join the group, load the shard, step.
 
-It owns everything with a tensor in it: the weights, the KV cache tensors, the flat
-batch inputs and the sampler. Once per step it builds ONE flat batch of every scheduled
-token (no padding, no batch dimension) plus the metadata that tells attention where each
-request's tokens live. Example, block_size 4, request A decodes its 10th token with block
-table [7, 1, 3], request B prefills a 3-token prompt into block [5]:
+    MultiprocExecutor (executor.py, in the engine core process) starts one `run_worker` process
+    per rank; each builds a `Worker`, whose ModelRunner (model_runner.py) holds that rank's shard
+    of the weights and of the KV heads. Every step the executor sends the SchedulerOutput down a
+    pipe to every rank; all ranks run it (the collectives meet inside the model); rank 0 sends
+    back the sampled tokens.
 
-    input_ids       [a9, b0, b1, b2]
-    positions       [9, 0, 1, 2]
-    slot_mapping    [13, 20, 21, 22]      block_table[p // 4] * 4 + p % 4
-    query_start_loc [0, 1, 4]             A's tokens are [0:1], B's [1:4]
-    seq_lens        [10, 3]
-    logits_indices  [0, 3]                the last token of each request that samples
+A worker exits as soon as its parent does, even while it waits inside a collective, so no
+worker outlives the engine core.
 
-Only requests that reach the end of their known tokens sample; a prefill chunk that stops
-short of its prompt's end computes K/V and nothing else.
-
-Finding and reading the checkpoint, and the KV pool's sizing formulas, are in model_loader.py
-(`nanoserve memory` uses them too, without a ModelRunner).
-
-Under tensor parallel each rank's ModelRunner (executor.py) holds its shard of the weights and
-of the KV heads, runs the same step on the same flat batch, and only rank 0 samples.
-
-Lesson: lessons/06-length-and-memory.md
+Run the tests:
+    pytest -q tests/test_tensor_parallel.py
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
-import time
-from typing import Optional
-
-import torch
+import multiprocessing
+import os
+import threading
+import traceback
+from multiprocessing.connection import wait
 
 from nanoserve.config import Config
-from nanoserve.model_loader import (CPU_KV_CACHE_GB, iterate_weights, kv_cache_memory_budget,
-                                    max_len_of, num_blocks_for_memory, resolve_device,
-                                    resolve_dtype, resolve_model_path)
-from nanoserve.distributed import SINGLE, TensorParallel
-from nanoserve.models import get_model_class
-from nanoserve.models.decode_plan import DecodePlan
-from nanoserve.models.linear import choose_cpu_gemms
-from nanoserve.paged_attention import AttentionMetadata
-from nanoserve.cpu_kernels import load as load_cpu_kernels
-from nanoserve.request import SchedulerOutput
-from nanoserve.sampler import Sampler, SamplingMetadata
+from nanoserve.distributed import TensorParallel, init_tensor_parallel
+from nanoserve.model_loader import resolve_device
+from nanoserve.model_runner import ModelRunner
 
 
-def _libc() -> Optional[ctypes.CDLL]:
-    """glibc on Linux, else None (macOS, Windows, musl: the memory tuning below is skipped)."""
-    if not sys.platform.startswith("linux"):
-        return None
+class Worker:
+    """One rank: joins the group, picks its device, then loads its shard into a ModelRunner."""
+
+    def __init__(self, config: Config, rank: int, init_method: str):
+        size = config.tensor_parallel_size
+        device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device))
+        self.runner = ModelRunner(config, TensorParallel(rank, size), device)
+
+    def describe(self) -> dict:
+        """What the engine core reads from its runner (sent once, by rank 0)."""
+        r = self.runner
+        return dict(config=r.config, model_path=r.model_path, hf_config=r.hf_config,
+                    vocab_size=r.vocab_size, dtype=r.dtype, device=r.device,
+                    gemm_paths=r.gemm_paths)
+
+
+def _exit_with_parent() -> None:
+    """Exit this process the moment its parent does (even while stuck in a collective)."""
+    parent = multiprocessing.parent_process()
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def run_worker(config: Config, rank: int, init_method: str, conn) -> None:
+    """A worker process's main loop: a SchedulerOutput in, a step; None in, stop."""
+    _exit_with_parent()
     try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc (Linux) to keep freed activation memory for reuse instead of unmapping it.
-
-    Why: a 2048-token prefill allocates and frees activations of up to ~25 MB in every layer.
-    By default glibc serves big blocks with fresh mmap()s and gives them back on free(), so each
-    such step pays ~350k page faults (~0.3 s of a 2.4 s prefill step on the bench model). With
-    the mmap threshold at glibc's 32 MiB maximum and trimming only above 1 GiB, memory is reused."""
-    libc = _libc()
-    if libc is None:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)
-    libc.mallopt(m_trim_threshold, 2**30)
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back a big CPU tensor with 2 MiB pages (transparent huge pages), before its
-    memory is first touched.
-
-    Why, for the KV cache: a decode token's attention reads its request's blocks, which lie
-    anywhere in a cache of gigabytes. With 4 KiB pages nearly every block costs TLB misses (the
-    TLB covers a few MiB); with 2 MiB pages a 64-decode attention layer of the bench model took
-    2.75 instead of 3.06 ms in float32 (Zen 3). Where THP is off ("never"), or not Linux, this
-    does nothing; where it is "always", the kernel already does it."""
-    libc = _libc() if tensor.device.type == "cpu" else None
-    if libc is None:
-        return
-    huge, madv_hugepage = 2 * 2**20, 14    # the page size; MADV_HUGEPAGE from <sys/mman.h>
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // huge) * huge, end // huge * huge   # whole huge pages inside
-    if last > first:
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), madv_hugepage)
-
-
-class ModelRunner:
-    """`tp` and `device`: given by a tensor-parallel Worker (executor.py); then the model is this
-    rank's shard, the KV cache holds this rank's KV heads, and only rank 0 samples."""
-
-    def __init__(self, config: Config, tp: TensorParallel = SINGLE,
-                 device: Optional[torch.device] = None):
-        from transformers import AutoConfig
-        self.model_path = resolve_model_path(config.model)
-        self.hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.tp = tp
-        self.device = device or torch.device(resolve_device(config.device))
-        if self.device.type == "cpu":
-            keep_freed_memory()
-            load_cpu_kernels()  # build them (or warn) now, not in the middle of the first step
-        self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
-        self.model = self._load_model()
-        # On CUDA every product stays F.linear (cuBLAS): "torch" is forced, nothing is timed.
-        self.gemm_paths = choose_cpu_gemms(
-            self.model.linears(config.max_num_batched_tokens, config.max_num_seqs),
-            config.cpu_gemm if self.device.type == "cpu" else "torch",
-            shared=frozenset({id(self.model.model.embed_tokens.weight)}))
-        # Decode steps as one flat loop of the model's C calls (decode_plan.py); None without the kernels
-        self.decode_plan = DecodePlan.build(self.model) if self.device.type == "cpu" else None
-        self.vocab_size = self.hf_config.vocab_size
-        self.block_size = config.block_size
-        self.config = config.resolve(max_position_embeddings=max_len_of(self.model),
-                                     num_kv_blocks=self._num_kv_blocks(config))
-        needed = -(-self.config.max_model_len // self.block_size)
-        if needed > self.config.num_kv_blocks:
-            raise ValueError(
-                f"the KV cache holds {self.config.num_kv_blocks} blocks "
-                f"({self.config.num_kv_blocks * self.block_size} tokens), less than one sequence "
-                f"of max_model_len ({self.config.max_model_len}); lower max_model_len or raise "
-                f"num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization")
-        self.kv_caches = self._allocate_kv_caches(self.config.num_kv_blocks)
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        self.generators: dict[str, torch.Generator] = {}   # request id -> its seeded generator
-        self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # seconds, summed
-
-    def _load_model(self) -> torch.nn.Module:
-        model_class = get_model_class(self.hf_config)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)    # parameters are created in the target dtype
-        try:
-            with self.device:
-                model = model_class(self.hf_config, self.tp)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        model.load_weights(iterate_weights(self.model_path))
-        return model.eval()
-
-    def _num_kv_blocks(self, config: Config) -> int:
-        """The pool, per rank: each rank's memory holds its own KV heads (`nanoserve memory
-        --tensor-parallel-size` sizes with the same shard), and all ranks use the smallest."""
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
-        if config.kv_cache_memory_gb is not None or self.device.type != "cuda":
-            memory = (config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30
-        else:
-            memory = self._profile_free_cuda_memory(config)
-        blocks = num_blocks_for_memory(memory, self.model.shard_config, self.dtype, config.block_size)
-        return self.tp.min_int(blocks, self.device) if self.tp.size > 1 else blocks
-
-    @torch.inference_mode()
-    def _profile_free_cuda_memory(self, config: Config) -> float:
-        """kv_cache_memory_budget() with the weights and the peak activations measured on a
-        forward of max_num_batched_tokens tokens (with a KV cache just big enough for them)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        n = config.max_num_batched_tokens
-        caches = self._allocate_kv_caches(-(-n // config.block_size))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            block_tables=torch.arange(-(-n // config.block_size), dtype=torch.int32,
-                                      device=self.device)[None],
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            max_query_len=n, max_seq_len=n)
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                            torch.arange(n, device=self.device), caches, meta)
-        # The logits in the model dtype and the float32 copy a sampling stage makes (TP: rank 0 only).
-        logits = self.model.compute_logits(hidden[-config.max_num_seqs:])
-        logits = None if logits is None else logits.float()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - weights
-        del caches, hidden, logits
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        usable = kv_cache_memory_budget(total, config.gpu_memory_utilization, weights, peak)
-        if usable <= 0:
-            raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x "
-                             f"gpu_memory_utilization {config.gpu_memory_utilization} - weights "
-                             f"{weights / 2**30:.2f} GiB - activations {peak / 2**30:.2f} GiB")
-        return usable
-
-    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model.shard_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, self.block_size,
-                 getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim)
-        return [(self._zeroed_cache(shape), self._zeroed_cache(shape))
-                for _ in range(cfg.num_hidden_layers)]
-
-    def _zeroed_cache(self, shape: tuple) -> torch.Tensor:
-        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        advise_huge_pages(cache)   # before zero_() touches (and so maps) its pages
-        return cache.zero_()
-
-    # -- one step --------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput):
-        """The flat batch: (input_ids, positions, AttentionMetadata, logits_indices, rows that
-        sample). See the module docstring for a worked example."""
-        input_ids: list[int] = []
-        for req, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens):
-            input_ids += req.all_token_ids[c:c + n]
-        num_scheduled = torch.tensor(out.num_scheduled_tokens)
-        num_computed = torch.tensor(out.num_computed_tokens)
-        seq_lens = num_computed + num_scheduled
-        query_start_loc = torch.zeros(len(out.requests) + 1, dtype=torch.long)
-        torch.cumsum(num_scheduled, 0, out=query_start_loc[1:])
-        # Token t of request r sits at position num_computed[r] + (t - query_start_loc[r]).
-        req_of_token = torch.repeat_interleave(torch.arange(len(out.requests)), num_scheduled)
-        positions = torch.arange(len(input_ids)) - (query_start_loc[:-1] - num_computed)[req_of_token]
-        max_blocks = max(len(bt) for bt in out.block_tables)
-        block_tables = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in out.block_tables],
-                                    dtype=torch.int32)
-        slot_mapping = (block_tables[req_of_token, positions // self.block_size].long()
-                        * self.block_size + positions % self.block_size)
-        samples = [c + n == req.num_tokens for req, n, c in
-                   zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)]
-        logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
-        to = dict(device=self.device, non_blocking=True)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(**to), block_tables=block_tables.to(**to),
-            seq_lens=seq_lens.to(dtype=torch.int32, **to),
-            query_start_loc=query_start_loc.to(dtype=torch.int32, **to),
-            max_query_len=max(out.num_scheduled_tokens), max_seq_len=int(seq_lens.max()))
-        return (torch.tensor(input_ids, device=self.device), positions.to(**to), meta,
-                logits_indices.to(**to), [r for r, s in zip(out.requests, samples) if s])
-
-    @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, object]]:
-        """Run one step. Returns ({request id: sampled token}, {request id: TokenLogprobs})."""
-        for request_id in out.finished_req_ids:
-            self.generators.pop(request_id, None)
-        start = time.perf_counter()
-        input_ids, positions, meta, logits_indices, sampling = self.prepare_inputs(out)
-        forward_start = time.perf_counter()
-        plan = self.decode_plan
-        hidden = None if plan is None else plan(input_ids, positions, self.kv_caches, meta)
-        if hidden is None:   # no plan here, or a step it does not take
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        self.timings["prepare"] += forward_start - start
-        if not sampling:
-            self.timings["forward"] += time.perf_counter() - forward_start
-            return {}, {}
-        logits = self.model.compute_logits(hidden[logits_indices])
-        if logits is None:     # a tensor-parallel rank other than 0: rank 0 samples
-            return {}, {}
-        # On CUDA the forward runs asynchronously: its time lands in "sample", at the sync.
-        sample_start = time.perf_counter()
-        self.timings["forward"] += sample_start - forward_start
-        metadata = SamplingMetadata.from_requests(
-            [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
-            [r.output_token_ids for r in sampling], [self._generator(r) for r in sampling],
-            eos_token_id=sampling[0].eos_token_id, vocab_size=self.vocab_size, device=self.device)
-        result = self.sampler(logits, metadata)
-        ids = [r.request_id for r in sampling]
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        sampled = dict(zip(ids, result.sampled_token_ids.tolist()))
-        self.timings["sample"] += time.perf_counter() - sample_start
-        return sampled, logprobs
-
-    def _generator(self, request) -> Optional[torch.Generator]:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        if request.request_id not in self.generators:
-            self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
-        return self.generators[request.request_id]
+        worker = Worker(config, rank, init_method)
+        conn.send(("ready", worker.describe() if rank == 0 else None))
+        while (scheduler_output := conn.recv()) is not None:
+            result = worker.runner.execute_model(scheduler_output)
+            if rank == 0:    # with this step's timings, which start again from zero
+                timings = worker.runner.timings
+                conn.send(("result", (*result, dict(timings))))
+                timings.update(dict.fromkeys(timings, 0.0))
+    except EOFError:     # the engine core closed the pipe: nothing left to do
+        pass
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -3,7 +3,7 @@
     python scripts/bench_offline.py                  # float32: both engines and their ratio
     python scripts/bench_offline.py --dtype bfloat16
 
-The workload and model are nanoserve.bench's (64 requests, prompts uniform in [32, 512],
+The workload and model are nanoserve.tools.bench's (64 requests, prompts uniform in [32, 512],
 outputs uniform in [32, 256], random token ids with seed 0, greedy, ignore_eos, random
 SmolLM2-135M-shaped weights). HF runs the same requests in padded batches of 16 (left
 padding); only each request's own output length is counted, so both figures are
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from nanoserve.bench import make_checkpoint, make_workload, run_bench
+from nanoserve.tools.bench import make_checkpoint, make_workload, run_bench
 
 
 @torch.inference_mode()

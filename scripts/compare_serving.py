@@ -5,7 +5,7 @@ one after the other on this machine, in one table.
     python scripts/compare_serving.py --vllm-python ~/vllm-venv/bin/python --plot-dir figures
 
 Each server gets the same checkpoint (default: random SmolLM2-135M-shaped weights with a
-word-level tokenizer, nanoserve.bench.make_checkpoint()), bfloat16, 4 GiB of KV cache and
+word-level tokenizer, nanoserve.tools.bench.make_checkpoint()), bfloat16, 4 GiB of KV cache and
 max_model_len 1024, on a free loopback port. The script waits for /health, runs the loads with
 the `nanoserve bench --serve` client (bench_serve.py; one short warm-up request before each),
 then stops the server (its whole process group: vLLM runs its engine in a child process) before
@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from compare_vllm import vllm_env
-from nanoserve import bench_serve
-from nanoserve.bench import cpu_description, make_checkpoint
+from nanoserve.tools import bench_serve
+from nanoserve.tools.bench import cpu_description, make_checkpoint
 from nanoserve.distributed import free_port
 
 LOADS = {"poisson-2": (48, 2.0), "burst": (64, math.inf)}   # name: (requests, req/s)
@@ -117,7 +117,7 @@ def print_table(all_runs: dict, sizes: dict) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", help="HF checkpoint directory (default: the random "
-                        "SmolLM2-135M-shaped one of nanoserve.bench.make_checkpoint())")
+                        "SmolLM2-135M-shaped one of nanoserve.tools.bench.make_checkpoint())")
     parser.add_argument("--vllm-python", help="python of a vLLM virtualenv: compare with vLLM")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-cache-memory-gb", type=float, default=4.0)

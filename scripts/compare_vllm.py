@@ -12,7 +12,7 @@ It installs nothing. vLLM lives in its own virtualenv, because it pins its own p
 vLLM runs in a subprocess of that virtualenv with VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>,
 VLLM_CPU_NUM_OF_RESERVED_CPU=0 and VLLM_CPU_KVCACHE_SPACE=4, so it uses every core and
 4 GiB of KV cache, the same as nanoserve here. Both get the same token-id prompts and output
-lengths (nanoserve.bench.make_workload, passed to vLLM as JSON), greedy and ignore_eos, on the
+lengths (nanoserve.tools.bench.make_workload, passed to vLLM as JSON), greedy and ignore_eos, on the
 same random SmolLM2-135M-shaped checkpoint.
 
 The protocol: start both engines (nanoserve in this process, vLLM in its subprocess), warm each
@@ -51,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from nanoserve.bench import (cpu_description, make_bench_llm, make_checkpoint, make_workload,
+from nanoserve.tools.bench import (cpu_description, make_bench_llm, make_checkpoint, make_workload,
                              time_workload)
 
 VLLM_SIDE = r"""

@@ -30,8 +30,8 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
-from nanoserve.replay import Trace  # noqa: E402
-from nanoserve.replay_plots import summary_table  # noqa: E402
+from nanoserve.tools.replay import Trace  # noqa: E402
+from nanoserve.tools.replay_plots import summary_table  # noqa: E402
 
 STORIES = ["Once upon a time", "Tom and Lily went to the park", "The little dog was sad because",
            "One day, a girl named Sue found a big red ball in the garden. She",

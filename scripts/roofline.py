@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from nanoserve import bench
+from nanoserve.tools import bench
 from nanoserve.models.llama import head_dim_of
 
 

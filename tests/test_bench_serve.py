@@ -14,7 +14,7 @@ import socket
 import pytest
 
 from nanoserve import AsyncLLM
-from nanoserve import bench_serve as bs
+from nanoserve.tools import bench_serve as bs
 from nanoserve.cli import main as cli_main
 from test_api import serve
 

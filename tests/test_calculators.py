@@ -12,8 +12,8 @@ import pytest
 from conftest import build_checkpoint
 from nanoserve import LLM
 from nanoserve.cli import main as cli
-from nanoserve.cost import CostInputs, cost_inputs, plot_cost
-from nanoserve.memory import memory_report, plot_memory
+from nanoserve.tools.cost import CostInputs, cost_inputs, plot_cost
+from nanoserve.tools.memory import memory_report, plot_memory
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def test_verdicts(tmp_path):
     assert memory_report(path, device_memory_gb=16).kv_budget_bytes < 0   # 16 GB of weights
     small = memory_report(path, device_memory_gb=18, activation_reserve_gb=0.5, max_model_len=8192)
     assert 0 < small.num_blocks < 512 and small.num_seqs == 0
-    from nanoserve.memory import verdict
+    from nanoserve.tools.memory import verdict
     assert f"largest max_model_len that fits is {small.num_blocks * 16}" in verdict(small)
     assert verdict(memory_report(path, device_memory_gb=16)).startswith("does not fit")
 

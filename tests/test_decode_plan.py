@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.models import get_model_class
 from nanoserve.models.decode_plan import DecodePlan
 from nanoserve.models.linear import choose_cpu_gemms

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from nanoserve import LLM, SamplingParams, cpu_kernels
+from nanoserve import LLM, SamplingParams
+from nanoserve.cpu import kernels as cpu_kernels
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from nanoserve.models import LlamaForCausalLM, get_model_class
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.models import linear
 from nanoserve.models.llama import head_dim_of, rope_parameters
 from nanoserve.paged_attention import AttentionMetadata

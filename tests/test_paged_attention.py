@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.paged_attention import (
     AttentionMetadata,
     paged_attention,
@@ -170,7 +170,7 @@ def test_cpu_kernels_match_torch_as_other_x86_machines_build_them(march):
         pytest.skip(f"this CPU cannot run code built for {march} (no {', '.join(sorted(missing))})")
     env = {**os.environ, "NANOSERVE_CPU_MARCH": march}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    width = subprocess.run([sys.executable, "-c", "from nanoserve import cpu_kernels as k; "
+    width = subprocess.run([sys.executable, "-c", "from nanoserve.cpu import kernels as k; "
                             "print(k.load().gemm_panel_width())"], env=env, cwd=root,
                            capture_output=True, text=True)
     assert width.returncode == 0, width.stderr[-3000:]
@@ -268,7 +268,7 @@ def test_metadata_shape_errors_name_the_field(field, kwargs):
 def test_loading_the_cpu_kernel_keeps_subnormal_floats():
     """A library linked with -ffast-math (GCC's crtfastmath.o) would switch the whole process to
     flush-to-zero when it loads: every float below 1.2e-38 anywhere in the user's code -> 0."""
-    script = ("import torch; from nanoserve import cpu_kernels as k; assert k.load(); "
+    script = ("import torch; from nanoserve.cpu import kernels as k; assert k.load(); "
               "print((torch.tensor([1e-39]) * 1.0).item() != 0.0)")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "True"

@@ -1,4 +1,4 @@
-"""Oracle tests for the Triton kernels in nanoserve/paged_attention_triton.py.
+"""Oracle tests for the Triton kernels in nanoserve/cuda/paged_attention_triton.py.
 
 Runs on CPU through the Triton interpreter (no GPU needed):
     pytest -q tests/test_paged_attention_triton.py
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import nanoserve.paged_attention_triton as pat  # noqa: E402
+import nanoserve.cuda.paged_attention_triton as pat  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -18,8 +18,8 @@ from rich.console import Console
 
 from fake_engine import FakeRunner, make_request, make_scheduler
 from nanoserve import cli
-from nanoserve.replay import Trace, main, render
-from nanoserve.replay_plots import chrome_trace, summary, write_plots
+from nanoserve.tools.replay import Trace, main, render
+from nanoserve.tools.replay_plots import chrome_trace, summary, write_plots
 from nanoserve.trace import Tracer
 
 

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.sampler import Sampler, SamplingMetadata, apply_penalties
 from nanoserve.sampling_params import SamplingParams
 

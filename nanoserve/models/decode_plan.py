@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.models.linear import AmxGemm, KernelGemm, Linear
 
 

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 
 Gemm = Callable[[Tensor], Tensor]
 CPU_GEMM_PATHS = ("torch", "onednn", "onednn-fp32", "kernel", "amx")

@@ -36,7 +36,7 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from nanoserve import cpu_kernels
+from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models.linear import Linear
 from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv

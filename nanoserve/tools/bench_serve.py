@@ -72,7 +72,7 @@ def make_requests(num_prompts: int, input_len=(32, 512), output_len=(32, 256), s
                   vocab_size: int = PROMPT_VOCAB) -> tuple[list[list[int]], list[int]]:
     """(prompts as token id lists, max_tokens of each), lengths uniform in the given ranges:
     `nanoserve bench`'s workload, checked first (bad flags get an error naming them)."""
-    from nanoserve.bench import make_workload
+    from nanoserve.tools.bench import make_workload
     for name, (low, high) in (("input_len", input_len), ("output_len", output_len)):
         if not 1 <= low <= high:
             raise ValueError(f"{name} must be 1 <= MIN <= MAX (got {low}, {high})")

@@ -385,7 +385,7 @@ def main(path: str, step: Optional[int] = None, speed: float = 4.0, plot: Option
     trace, console = Trace.load(path), console or Console()
     if step is not None:
         console.print(render(trace, trace.frame(step), console.width))
-    from nanoserve.replay_plots import chrome_trace, summary_table, write_plots   # (matplotlib)
+    from nanoserve.tools.replay_plots import chrome_trace, summary_table, write_plots   # (matplotlib)
     if summary or compare:
         console.print(summary_table(trace, *([Trace.load(compare)] if compare else [])))
     for written in write_plots(trace, plot) if plot else []:

@@ -32,7 +32,7 @@ on a platform where the build fails, `load()` returns None and every caller keep
 (one warning). NANOSERVE_CPU_KERNEL=0 in the environment keeps them off (to compare the two paths);
 NANOSERVE_CPU_MARCH=x86-64-v3 (any -march) builds them as for another machine (here: AVX2 loops).
 
-    from nanoserve.cpu_kernels import load
+    from nanoserve.cpu.kernels import load
     kernels = load()         # the ctypes library (.decode_attention, .rms_norm, ...), or None
 
 Tests: pytest -q tests/test_paged_attention.py tests/test_models.py   (against the torch code)

@@ -28,7 +28,7 @@ from typing import Optional
 from matplotlib.figure import Figure
 from rich.table import Table
 
-from nanoserve.replay import Trace
+from nanoserve.tools.replay import Trace
 
 COLOURS = {"wait": "#d9d9d9", "prefill": "#f0a030", "decode": "#3a9a4a"}
 
