@@ -1,8 +1,9 @@
 /* argmax.c: the index of each row's largest value (greedy sampling over a vocabulary).
 
-   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why C: torch's CPU
-   argmax tracks its index one float at a time; over 64 rows of a 49,152-token vocabulary it took
-   ~2.7 ms (~4.6 GB/s) where reading the logits takes ~0.1 ms, in every decode step.
+   Built and loaded with the other CPU kernels by nanoserve/cpu/kernels.py. Why C: torch's CPU
+   argmax tracks its index one float at a time, far slower than reading the logits, and greedy
+   sampling runs it in every decode step; here the vector lanes each keep their own maximum.
+   (The measurements: scripts/results/README.md.)
 
    torch's answer exactly: the FIRST index of the maximum, and a NaN counts as larger than every
    number (so the first NaN wins). Each vector lane keeps the largest value it has seen and where

@@ -4,6 +4,10 @@
 
    Layout (design §5): cache [num_blocks, block_size, num_kv_heads, head_dim]; token position p of
    a request is slot block_table[p / block_size] * block_size + p % block_size.
+
+   The comments here and in the kernels say what each loop does and why. The measurements behind
+   those choices, each on the CPU it names, and what was tried and not kept, are in
+   scripts/results/README.md.
 */
 #pragma once
 #include <float.h>
@@ -60,8 +64,8 @@ typedef struct {
 
 /* Position p's slot: table[p / block_size] * block_size + p % block_size. For a power-of-two
    block size (the default 16) by a shift and a mask: the decode kernel finds three slots a
-   position (its row and the two it prefetches), and their divisions cost 3-4% of a 37-decode
-   layer in bf16 (two builds alternated in one process, Zen 4 "AMD EPYC" family 25 model 17). */
+   position (its row and the two it prefetches), and an integer division is slow beside the
+   little arithmetic each position takes. */
 static inline int64_t slot_of(const Seq *s, int p) {
     const int b = s->block_size;
     if ((b & (b - 1)) == 0) {
@@ -89,8 +93,7 @@ typedef int32_t vint32 __attribute__((vector_size(4 * LANES)));
 /* 16 rows of 16 32-bit values (`stride` bytes apart from `rows`) transposed in registers:
    row i's value j -> cols[j][i]. Three rounds of shuffles (pairs of rows interleaved, then fours,
    then 128-bit quarters), 64 in all. gemm.c's AMX loop turns its sum tiles back into rows with it
-   (against a gather per column: 1.00-1.035x for those products, the bench model's shapes, cold, 8
-   to 64 rows, "Intel Xeon" family 6 model 167; gathers are slower still on CPUs whose microcode
+   (rather than a gather per column, which is no faster, and slower on CPUs whose microcode
    mitigates Gather Data Sampling); prefill_attention.c transposes V with it, two bf16 a value. */
 static inline void transpose_16x16(const void *rows, int64_t stride, __m512 cols[16]) {
     __m512 r[16], t[16];
@@ -173,7 +176,7 @@ static inline vfloat select_lanes(vint32 mask, vfloat yes, vfloat no) {
    memcpy is how C loads an unaligned vector; it compiles to one vector load. With AVX-512, bf16
    is widened (and narrowed in store_lanes) by one vpmovzxwd (vpmovdw): from the vector extensions'
    conversion GCC 12 made two half-width conversions and a shuffle (narrowing: a two-table
-   permute). silu_and_mul.c on 1,741 x 1,536 bf16 values: 1.05 -> 0.91 ms, the same bits. */
+   permute). */
 static inline vfloat load_lanes(const void *row, int bf16) {
     vfloat v;
     if (!bf16) {
@@ -228,9 +231,8 @@ static inline vfloat max_lanes(vfloat a, vfloat b) { return select_lanes(a > b, 
    Below -125 the result is 0 (a masked score, -FLT_MAX, weighs nothing). Why 0 and not 2^-125
    (~2.4e-38, the smallest the formula builds): that weight times a V value below 0.5 is a
    denormal, and the CPU computes each denormal in a slow microcode assist. Masked keys are in
-   every tile's diagonal chunks (prefill_attention.c), and float32 prefill attention took ~3x as
-   long with them (36-43 against 12 ms for six prompts of 52-487 tokens, "Intel Xeon" with
-   Sapphire Rapids' flags; bf16 rounds weights without denormals and was unaffected). */
+   every tile's diagonal chunks (prefill_attention.c), so float32 prefill attention would meet
+   them in every tile (bf16's weights are rounded by an instruction that turns denormals into 0). */
 static inline vfloat exp2_lanes(vfloat t) {
 #if LANES == 16
     const __mmask16 kept = _mm512_cmp_ps_mask((__m512)t, _mm512_set1_ps(-125.f), _CMP_GE_OQ);
@@ -254,9 +256,8 @@ static inline vfloat exp2_lanes(vfloat t) {
 /* silu(g) * u lane by lane, HF's numbers (act_fn(gate) * up): silu(g) = g / (1 + e^-g) in float32,
    rounded to bf16 for a bf16 model, then times u (the caller's store rounds the product). The
    sigmoid from e = e^-|g|, which never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
-   Why not expf: the compiler's vector expf (glibc's libmvec) took ~3x the time of reading the
-   rows. e as 2^(-|g| log2 e) by exp2_lanes: with AVX-512, silu_and_mul.c on 1,741 x 1,536 values
-   1.12x in bf16 (the same bits here), 1.11x in float32 (within 4e-7 of e^x by a Cody-Waite split).
+   Why not expf: the compiler's vector expf (glibc's libmvec) took longer than reading the rows,
+   so the pass was bound by arithmetic, not memory; e is 2^(-|g| log2 e) by exp2_lanes instead.
    Used by silu_and_mul.c and by gemm.c's gate_up product, which applies it to its tiles.
    Worked example: g = [0, 2], u = [3, 4] -> [0 * 3, 1.7616 * 4] = [0, 7.0464]. */
 static inline vfloat silu_mul_lanes(vfloat g, vfloat u, int bf16) {
@@ -269,8 +270,8 @@ static inline vfloat silu_mul_lanes(vfloat g, vfloat u, int bf16) {
 
 /* RMSNorm of row `base / dim` (rms_norm.c says how; gemm.c's product runs it on its rows too),
    inlined into a float32 and a bf16 copy (`bf16` a constant): LANES at a time, the rest one by one
-   (the compiler's own vectorising of the plain loop chose half-width vectors and took ~1.5x as
-   long). `row`: dim floats of scratch, the (rounded) sum kept for the second pass. */
+   (the compiler's own vectorising of the plain loop chose half-width vectors). `row`: dim floats
+   of scratch, the (rounded) sum kept for the second pass. */
 static inline __attribute__((always_inline)) void
 rms_norm_row(const void *x, void *residual, const void *weight, void *out, int64_t base, int dim,
              float eps, const int bf16, float *row) {

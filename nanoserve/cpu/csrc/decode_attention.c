@@ -1,6 +1,6 @@
 /* decode_attention.c: paged attention for decode tokens on CPU, reading K/V straight from the cache.
 
-   Built and loaded by nanoserve/cpu_kernels.py (cc -O3 -march=native -fopenmp, then ctypes).
+   Built and loaded by nanoserve/cpu/kernels.py (cc -O3 -march=native -fopenmp, then ctypes).
    Why C: a decode token reads its request's whole cached K and V once per layer, and on CPU that
    read is the cost (memory-bound). In torch, the blocks must first be gathered into a contiguous
    copy for SDPA, which reads the cache, writes the copy, and reads the copy again: three passes
@@ -15,26 +15,24 @@
    the vector width. The SIMD loops use GCC/Clang vector extensions, which compile to the widest
    vectors -march=native offers (AVX-512: 16 floats, AVX/AVX2: 8, SSE or NEON: 4), so every
    machine gets them, not only AVX-512 ones. Why both: in the plain loops the compiler keeps the V
-   pass's sums in memory, and their arithmetic took as long as reading the cache; with the sums in
-   registers (and the prefetch below), a 64-request decode step of the bench model spends 56
-   instead of 81 ms in attention in float32, 44 instead of 67 in bfloat16 on an AVX-512 machine
-   (30 layers, ~22k cached tokens; reading them at full memory speed takes ~42 / ~21).
+   pass's sums in memory, and their arithmetic then costs as much as reading the cache; the SIMD
+   loops keep the sums in registers (and prefetch, below), so the passes run nearer the memory's
+   speed.
 
    bf16 on a CPU with AVX512-BF16: the scores pass multiplies the model's bf16 query with the
    cached bf16 K row by that extension's dot product of bf16 pairs (exact products, float32 sums),
-   with no widening of K: ~20% less time for a hot 16-decode step. The V pass uses it too, on two
-   positions at once with the softmax weights rounded to bf16 ("V in pairs" below): ~13% less time
-   for a 64-decode layer with 30 layers' caches cycled (1.22 -> 1.06 ms, 4 alternating pairs, Zen 4
-   "AMD EPYC" family 25 model 17, avx512f avx512bw avx512_bf16).
+   with no widening of K. The V pass uses it too, on two positions at once with the softmax
+   weights rounded to bf16 ("V in pairs" below).
 
-   The cache layout and the helpers the CPU kernels share: cpu_kernels.h.
+   The cache layout and the helpers the CPU kernels share: cpu_kernels.h. The measurements behind
+   these choices, each on the CPU it names, and what was tried and not kept:
+   scripts/results/README.md.
 */
 #include "cpu_kernels.h"
 
 /* Each row of scores [rows][len] -> its softmax weights, LANES at a time with exp2_lanes
-   (cpu_kernels.h); a row's last values padded with -FLT_MAX, whose weight is 0. Against the
-   plain loops (glibc's expf, a division per weight): 3-5% less time for a 64-decode layer in
-   bf16 and float32 (two builds alternated in one process, Sapphire Rapids flags). */
+   (cpu_kernels.h), then one multiply by 1 / sum per weight: cheaper than glibc's expf and a
+   division per weight. A row's last values are padded with -FLT_MAX, whose weight is 0. */
 static inline vfloat load_padded(const float *row, int n) {   /* n < LANES values, then -FLT_MAX */
     vfloat v = splat(-FLT_MAX);
     for (int l = 0; l < n; l++) v[l] = row[l];
@@ -107,12 +105,13 @@ static void weighted_v_plain(const Seq *s, const float *weights, float *acc, flo
    prefetcher restarts at every block edge, and the loads stall on memory between the arithmetic
    instead of overlapping it. The passes ask for the rows PREFETCH_BYTES ahead (in positions, across
    block edges), into L2 (`__builtin_prefetch` locality 2: prefetcht1 on x86): L2 tracks more
-   misses in flight than L1. On a Zen 4 (64 decodes, 4 GiB cache, float32) the K/V read went from
-   ~18-20 to ~26-28 GB/s, against ~16 GB/s with rows 4 positions ahead into L1. The scores pass
-   asks for the V rows as well as the K rows: a request's V for one layer (a few hundred KiB at
-   these lengths) is then mostly in L2 when the weighted sum reads it, which took a 64-decode layer
-   from ~1.58 to ~1.45 ms in bf16 on that Zen 4 (float32: ~1.8 to ~1.73). The V pass still asks
-   again, for sequences whose V does not stay in L2 (a prefetch of a line in L2 costs little). */
+   misses in flight than L1. The scores pass asks for the V rows as well as the K rows: a
+   request's V for one layer (a few hundred KiB at the bench model's lengths) is then mostly in L2
+   when the weighted sum reads it. The V pass still asks again, for sequences whose V does not stay
+   in L2 (a prefetch of a line in L2 costs little).
+   PREFETCH_BYTES is a fixed distance, chosen by measurement on one CPU and not re-measured at
+   start-up: scripts/results/README.md names that CPU, and another that preferred a shorter
+   distance into L1. TILE: the V pass's positions a step (below). */
 enum { PREFETCH_BYTES = 16384, TILE = 16 };
 
 /* V in pairs. bf16 on AVX512-BF16 (head_dim a multiple of 32): the weighted sum of V rows by the
@@ -130,10 +129,7 @@ static inline void prefetch_row(const Seq *s, const void *cache, int p, int64_t 
 }
 
 /* The total of a vector's lanes. AVX-512: its reduction intrinsic (a tree of shuffles and adds);
-   the plain loop over lanes compiled to a long chain that cost more than the products before it:
-   with the intrinsic and the V pass's weights rounded once per tile (below), a 64-decode bf16
-   layer of the bench model takes ~1.7-2.0 instead of ~2.3-2.6 ms, float32 ~8% less (30 layers'
-   caches cycled, medians of 25 alternating calls, "Intel Xeon" with Sapphire Rapids' flags). */
+   the plain loop over lanes compiled to a long chain that cost more than the products before it. */
 static inline float sum_lanes(vfloat v) {
 #if LANES == 16
     return _mm512_reduce_add_ps((__m512)v);
@@ -156,8 +152,7 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
     const int pairs = bf16 && nj % 2 == 0;   /* bf16 rows as pairs for AVX512-BF16's dot product */
 #endif
     /* The first `ahead` rows, which no earlier position asks for, all at once: their misses then
-       overlap instead of each waiting for the one before. 2-7% less time for a cold 64-decode
-       bf16 layer, 0-5% float32 (two builds alternated in one process, Sapphire Rapids flags). */
+       overlap instead of each waiting for the one before. */
     for (int p = 0; p < ahead; p++) {
         prefetch_row(s, s->k_cache, p, row_bytes);
         prefetch_row(s, s->v_cache, p, row_bytes);
@@ -196,8 +191,7 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
     softmax_rows(scores, s->num_kv_heads * s->group, s->seq_len);
     /* TILE rows at a time (within one block, so contiguous; they stay in L1). Each KV head's part
        of a row is loaded (bf16: widened) once, into registers, for up to heads_at_once of the query
-       heads that share it, whose sums stay in registers over the tile. (Widening the tile into a
-       float32 copy first, for every query head to read, made bf16 decode ~25% slower, hot.) */
+       heads that share it, whose sums stay in registers over the tile. */
     const int heads_at_once = nj >= SUMS ? 1 : SUMS / nj;
     for (int p0 = 0, n; p0 < s->seq_len; p0 += n) {
         const int in_block = s->block_size - p0 % s->block_size, left = s->seq_len - p0;
@@ -207,10 +201,9 @@ passes_simd(const Seq *s, const float *q, const void *query, float scale, float 
         const char *rows = (const char *)s->v_cache + slot_of(s, p0) * row_bytes;
 #ifdef DPBF16
         /* The tile's weights rounded to bf16 once per query head, zeros past the n-th, so that
-           (w_p, w_p+1) is one 32-bit load for any p: rounding each pair inside the loop below cost
-           4-8% of a bf16 decode layer (medians, Sapphire Rapids flags). One masked load and one
-           conversion of 16 floats (TILE) instead of a loop of 18 roundings: 1.02-1.03x for a
-           37- or 64-decode layer (two builds alternated, "Intel Xeon" family 6 model 167, AMX). */
+           (w_p, w_p+1) is one 32-bit load for any p, not two roundings inside the loop below,
+           beside its products. One masked load and one conversion of 16 floats (TILE) a query
+           head. */
         _Static_assert(TILE == 16, "a tile's weights are one vector of 16 floats");
         uint16_t tile_weights[pairs ? s->num_kv_heads * s->group : 1][TILE + 2];
         if (pairs)

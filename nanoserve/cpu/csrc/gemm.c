@@ -1,14 +1,17 @@
 /* gemm.c: y = x @ W.T + b for the model's Linear layers on CPU, on a weight packed once at load:
-   one of the paths models/linear.py times at start-up (`kernel`), kept only where it is the
+   one of the paths nanoserve/cpu/gemm.py times at start-up (`kernel`), kept only where it is the
    fastest on the machine at hand. At the end, for bf16 on a CPU with AMX, a second product on the
-   weight as it is (`gemm_amx`, linear.py's `amx` path).
+   weight as it is (`gemm_amx`, cpu/gemm.py's `amx` path).
 
-   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why our own: a decode
-   step multiplies 1 to 64 rows, and there oneDNN's product is far from the machine's peak (Zen 4,
-   2 threads, float32, the bench model's four shapes cycled over 30 layers: 780 us a layer at 8
-   rows where this loop takes 480, 1,770 against 1,170 at 32, 2,360 against 2,180 at 64), while at
-   2,048 rows both run at the peak. The loop is the textbook one (BLIS's micro-kernel): nothing in
-   it is tuned to one CPU beyond the vector width the compiler is given.
+   Built and loaded with the other CPU kernels by nanoserve/cpu/kernels.py. Why our own: a decode
+   step multiplies 1 to 64 rows, and there a library's product (oneDNN's) can be far from the
+   machine's peak, while at thousands of rows both run at the peak. The loop is the textbook one
+   (BLIS's micro-kernel), its register tile (NV, MR) sized by the vector width the compiler is
+   given. Its other constants are fixed, not measured on the machine at hand: ROW_BLOCK, and the
+   AMX loop's prefetch distance PREFETCH_AHEAD (chosen by measurement on the CPUs named in
+   scripts/results/README.md, which also has the measurements behind the choices below). What
+   start-up measures is whether this product beats the other paths on each of the model's shapes
+   (nanoserve/cpu/gemm.py), and it is used only where it does.
 
    Packing: W [N outputs, K inputs] is cut into panels of PANEL output columns, each stored k by k
    (packed[p][k][j] = W[p * PANEL + j][k]), so the inner loop reads one panel row as NV vectors.
@@ -24,17 +27,13 @@
    them (bf16: rounded once, to nearest even, as oneDNN and torch round a bf16 product). The panel
    stays in L2 across the row tiles.
    Why copy x: read in place, the MR rows are MR pointers, more than the registers left beside the
-   accumulators, so the loop reloaded them from the stack at every k: bf16, the bench model's four
-   shapes, 30 layers cycled, 512 rows: 368 -> 399 GFLOP/s (of ~460 for the dot products alone), 38
-   rows 360 -> 377; float32 unchanged (Zen 4 "AMD EPYC" family 25 model 17, avx512_bf16, two
-   builds alternated in one process, 9 rounds). The copy is also where an RMSNorm before the
-   product runs (gemm's norm_weight), on each tile's rows just before they are copied.
+   accumulators, so the loop would reload them from the stack at every k. The copy is also where
+   an RMSNorm before the product runs (gemm's norm_weight), on each tile's rows just before they
+   are copied.
    The MLP's gate_up product can end in silu(gate) * up instead (`silu_and_mul`): its weight is
    packed with each gate column in the same panel as its up column (store_tile says how), so the
    tile applies the activation to its sums and stores half as many columns, and gate_up is never
-   written out for silu_and_mul.c to read back: the MLP of 30 layers cycled, bf16, 1.07x / 1.03x /
-   1.01x at 8 / 38 / 2,048 rows, float32 1.04x / 1.01x / 1.02x (alternating, one process, Zen 4
-   "AMD EPYC" family 25 model 17).
+   written out for silu_and_mul.c to read back.
 */
 #include "cpu_kernels.h"
 
@@ -57,13 +56,9 @@ static inline vfloat broadcast(float x) { return x - (vfloat){}; }
    `phase` on, so that a block's row tiles (passes over the panel) share the prefetch of the next
    panel between them. Why: a decode step's panel comes from memory once and is then re-read from
    L2 by each tile of 8 rows; without the prefetch the memory stream stalls the first tile and idles
-   during the others. With it, the next panel streams in across all of them: float32, 37 rows,
-   cold weights, the bench model's shapes: 8-20% less time a product ("Intel Xeon" with Sapphire
-   Rapids' flags, two builds alternated in one process).
+   during the others. With it, the next panel streams in across all of them.
    The k loop is unrolled 4 times, and the step that asks for `next` is counted (`fetch_at`), not
-   found by k % every: that integer division ran at every k step, beside 24 FMAs. float32, the
-   bench model's four shapes, 30 layers cycled: 1.03x / 1.09x / 1.10x at 37 / 512 / 1,741 rows
-   (bf16 unchanged; "Intel Xeon" family 6 model 167, two builds alternated in one process). */
+   found by k % every: that integer division would run at every k step, beside 24 FMAs. */
 static inline __attribute__((always_inline)) void
 tile(const void *x, const void *panel, const float *bias, float sums[MR][PANEL], int K, const int m,
      const int bf16, const char *next, int phase, int every) {
@@ -277,22 +272,23 @@ int gemm(const void *x, void *residual, const void *norm_weight, float eps, cons
 /* bf16 on a CPU with AMX: y = x @ W.T + b with W as it is ([N, K], the checkpoint's layout), as
    AMX's left operand. A tile of W (16 output rows x 32 k) is 16 rows of 64 bytes, K * 2 bytes
    apart: a `tileloadd` straight from the weight, so no packed copy is needed and the same tensor
-   serves F.linear for prefill-sized row counts (models/linear.py's `amx` path). The right operand
+   serves F.linear for prefill-sized row counts (cpu/gemm.py's `amx` path). The right operand
    is x's rows in bf16 pairs along k (xb, below: 16 pairs x 16 rows a tile, packed per call: x is
    small), and the sums come out transposed: tile (n, m) holds y[m][n] for 16 n x 16 m.
    Why: a decode step multiplies 1-64 rows, where the product is a stream of the weight from
-   memory, and oneDNN's is far from the memory's speed (the bench model, 37 rows, cold weights:
-   ~85 against ~120 us for 576 x 576). Each thread streams its own contiguous rows of W, 16 at a
-   or 32 at a time (pass_amx), and asks for the rows ~PREFETCH_AHEAD bytes on before it needs them
-   (without: ~1.5x slower), into L2 (`__builtin_prefetch` locality 2: prefetcht1): into L1, the
-   misses in flight are capped by L1's few fill buffers, and a weight that comes from memory, as
-   in the engine, where the KV cache's stream has pushed it out of L3, arrived at ~18 GB/s; into
-   L2, the bench model's five shapes, 37 and 64 rows, 1 GiB of weights cycled: 1.08-1.30x (from
-   L3: 1.01-1.07x; "Intel Xeon" with Sapphire Rapids' flags, two builds alternated).
+   memory, and oneDNN's runs well below the memory's speed. Each thread streams its own contiguous
+   rows of W, 16 or 32 at a time (pass_amx), and asks for the rows ~PREFETCH_AHEAD bytes on before
+   it needs them, into L2 (`__builtin_prefetch` locality 2: prefetcht1): into L1, the misses in
+   flight are capped by L1's few fill buffers, too few for a weight that comes from memory (as in
+   the engine, where the KV cache's stream has pushed it out of L3).
    K must be a multiple of 32 (gemm_amx refuses otherwise, and the caller keeps another path); N
    need not be a multiple of 16 (the last rows are copied into a zero-padded block). */
 #ifdef AMX
 #include <omp.h>
+/* PREFETCH_AHEAD: how far ahead in W, in bytes, each thread asks for its rows. A fixed distance,
+   chosen by measurement on the CPUs named in scripts/results/README.md and not re-measured at
+   start-up (the start-up timing decides only whether this product is used, and up to how many
+   rows): on another machine another distance may be faster. */
 #define PREFETCH_AHEAD 32768
 
 /* x [M, K] as AMX right operands: xb[mb][kc] = 16 pairs x 16 rows of uint32 (bf16 x[m][2p], x[m][2p+1]),
@@ -325,9 +321,7 @@ static void store_transposed(float sums[16][16], const float *bias, uint16_t *y,
 
 /* The sum tiles of the pass before, copied out of the tiles, which the next pass transposes into
    y one at a time between its products (`count` of them; `done` so far): the AVX-512 shuffles
-   then run while the tile unit multiplies, where done after the pass they left it idle. 1.06x /
-   1.01x / 1.06x at 24 / 37 / 64 rows, 1.12x at 8 and 16 (the bench model's five shapes, cold
-   weights, "Intel Xeon" family 6 model 167 with AMX, two builds alternated in one process). */
+   then run while the tile unit multiplies, where done after the pass they would leave it idle. */
 typedef struct {
     float sums[4][16][16];
     int n0[4], m0[4], count, done;
@@ -375,14 +369,12 @@ static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored ta
    outputs block n and rows block m; W's tiles are 4 + n, x's 7 - m (8 tiles hold it all). Why two
    by two from 17 rows on: each tdpbf16ps waits for the one before on the same sum tile, so four
    independent sums keep the unit busier than the one to three of a single W block, and two W
-   tiles against two x tiles load one tile per product instead of two: 24 / 37 / 64 rows, the bench
-   model's five shapes, cold weights: 1.08-1.15x / 1.01-1.07x / 1.02-1.12x ("Intel Xeon" with
-   Sapphire Rapids' flags, two builds alternated in one process). Up to 16 rows (a single x block)
-   the product waits on W's stream, and one block a pass is as fast.
+   tiles against two x tiles load one tile per product instead of two. Up to 16 rows (a single x
+   block) the product waits on W's stream, and one block a pass is as fast.
    `fetch` (or NULL): for each of the ng W blocks, a later block of W (below `fetch_end`, the
    same index), asked for 16 lines a chunk, so that all of it is asked for by the last chunk (16
    rows x K * 2 bytes = 16 lines per 32 k). `pending`: the pass before's sums,
-   stored into y one tile every 4 chunks (every 2: 0.94-0.98x), the rest after the pass. */
+   stored into y one tile every 4 chunks, the rest after the pass. */
 static inline __attribute__((always_inline)) void
 pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, const int ng,
          const int mg, const char *const fetch[2], const char *const fetch_end[2], Pending *pending) {
@@ -428,10 +420,8 @@ int gemm_amx_ready(void) { return amx_ready(); }
    NULL), eps and residual: as gemm's, each row block normalised just before it is copied.
    silu_and_mul: w is gate_up ([gate; up], N = 2 * intermediate, intermediate a multiple of 16) and
    y [M, N / 2] gets silu(gate) * up: each pass multiplies a block of gate rows and the same block
-   of up rows, so the pair of sums is stored together and gate_up is never written out: against
-   the product, then silu_and_mul.c, 1.03-1.075x at 8 to 64 rows (bench model's gate_up, cold,
-   "Intel Xeon" family 6 model 167, same bits; a try before the stores overlapped the next pass
-   lost at 37 and 64 rows).
+   of up rows, so the pair of sums is stored together and gate_up is never written out (the same
+   bits as the product followed by silu_and_mul.c).
    Returns 0, or 1 where it cannot run (K not a multiple of 32, AMX refused, out of memory, an
    intermediate size not a multiple of 16), before it has changed anything (the residual included). */
 int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight, float eps,

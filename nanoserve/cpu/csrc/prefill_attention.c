@@ -1,9 +1,10 @@
 /* prefill_attention.c: paged causal attention on CPU for requests with several new tokens
    (prefills, chunked prefills, prefix-cache hits), reading K/V straight from the cache.
 
-   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why C: torch's
-   path gathers each request's blocks into a copy and calls SDPA per request, which on the bench
-   model ran at ~40 GFLOP/s in float32 where the same cores multiply matrices at ~230.
+   Built and loaded with the other CPU kernels by nanoserve/cpu/kernels.py. Why C: torch's
+   path gathers each request's blocks into a copy and calls SDPA per request, which runs far below
+   the rate at which the same cores multiply matrices; prefill is compute-bound, so that rate is
+   what counts.
 
    Flash attention (one pass, online softmax), with the query ROWS in the vector lanes: a task is
    one request, one query head and a tile of LANES consecutive query tokens. Its queries are
@@ -15,20 +16,16 @@
    are plain vector FMAs over K and V rows read in place from the cache: no transposed K, no
    horizontal sums, and the softmax's max and sum are lane-wise too. bf16 on a CPU with
    AVX512-BF16: the scores by its dot product of bf16 pairs (qt[i] holds values 2i and 2i + 1, the
-   K row is read as pairs, unwidened), ~15% less time for the kernel on the bench model's prompts;
-   and the weighted sum of V two keys at a time: each lane holds token r's weights for keys c and
-   c + 1, rounded to bf16 (as torch's CPU flash attention rounds them before its product with V),
-   and each V pair is those keys' bf16 values of one dimension, broadcast. ~12% less time again
-   (8 prompts of 256, 4.9-5.1 -> 4.2-4.6 ms a layer, 3 alternating pairs, Zen 4 "AMD EPYC"
-   family 25 model 17, avx512f avx512bw avx512_bf16).
+   K row is read as pairs, unwidened); and the weighted sum of V two keys at a time: each lane
+   holds token r's weights for keys c and c + 1, rounded to bf16 (as torch's CPU flash attention
+   rounds them before its product with V), and each V pair is those keys' bf16 values of one
+   dimension, broadcast.
    bf16 on a CPU with AMX (Sapphire Rapids and later Xeons; head_dim a multiple of 32, blocks a
    multiple of 16 positions): the same tiles with both products in AMX's tile registers, so only
-   the softmax stays in vectors (attend_tile_amx below): 16-20 -> 7-9 ms a layer for six prompts
-   of 32-512 tokens (medians of 15 alternating calls, one process, "Intel Xeon" with Sapphire
-   Rapids' flags); in the 64-request bench workload, 4.3-5.1 -> 2.0 s.
+   the softmax stays in vectors (attend_tile_amx below).
    A tile's query goes into the lanes, and its output back into rows, by AVX-512 gathers (not
-   value by value through memory, which stalled each vector load on 16 narrow stores: together
-   ~26% of the kernel in bf16).
+   value by value through memory, which stalls each vector load on 16 narrow stores).
+   The measurements behind these choices, each on the CPU it names: scripts/results/README.md.
    Keys go CHUNK positions at a time; the causal mask only touches chunks past the tile's first
    position (token r at position first + r sees keys 0..first + r).
 
@@ -70,8 +67,8 @@ online_softmax(vfloat *score, const int n, int p0, int first, vint32 position, v
 
 /* out rows row0.. of query head qh: each lane's sums divided by its total. Row r is lane r of
    every ot[d]: on AVX-512 gathered LANES dimensions at a time from the (L1-resident) ot and stored
-   as a vector. (Assembled value by value into a row and then loaded as a vector, each load waited
-   for 16 narrow stores to land: that store took ~13% of the kernel, with query_pairs' as much.) */
+   as a vector. (Assembled value by value into a row and then loaded as a vector, each load would
+   wait for 16 narrow stores to land.) */
 static void store_tile(void *out, const vfloat *ot, vfloat total, int64_t row0, int rows, int q_row,
                        int qh, int hd, int bf16) {
     const vfloat inverse = 1.f / total;
@@ -203,16 +200,14 @@ static void attend_tile(const Seq *s, const void *query, void *out, int64_t row0
        tile and query head that reads it. A row of out^T is `ot[d]`, rescaled in vectors.
    Tiles: 0 scores, 1 K, 2 qt, 3 out, 4 V^T, 5 weights (each thread sets their shapes once).
    V transposed by 16 x 16 blocks in registers and the weights by exp2_lanes with the scale folded
-   in (cpu_kernels.h): 1.17x for a 2,048-token step of the bench prompts (30 layers cycled, two
-   builds alternated, "Intel Xeon" family 6 model 167); float32's loop unchanged (0.99x). */
+   in (cpu_kernels.h). */
 enum { KEYS = 32 };
 
 /* V of KV head h of a request, transposed: vt[d][p] (bf16), `len` (seq_len rounded up to KEYS)
    positions a row, zeros past seq_len so that the last keys' weights of 0 multiply zeros.
    16 positions (one block holds them) x 32 dimensions at a time: each row's 16 pairs of bf16 are
    16 32-bit values, transposed in registers (transpose_16x16); a pair's vector then holds dims d,
-   d + 1 of the 16 positions, interleaved, which one permute splits into the two rows of vt. Value
-   by value, this took ~12% of the kernel (bench prompts, a 2,048-token step). */
+   d + 1 of the 16 positions, interleaved, which one permute splits into the two rows of vt. */
 static void transpose_v(const Seq *s, int h, uint16_t *vt, int len) {
     const int hd = s->head_dim, kv_row = s->num_kv_heads * hd;
     __m512i split;   /* 16-bit lanes 0, 2, .., 30 (dim d of each position), then 1, 3, .., 31 (d + 1) */

@@ -1,11 +1,11 @@
 /* rms_norm.c: RMSNorm on CPU with the residual add before it fused in (vLLM's fused_add_rms_norm).
 
-   Built and loaded with the attention kernels by nanoserve/cpu_kernels.py. Why C: in torch the
+   Built and loaded with the attention kernels by nanoserve/cpu/kernels.py. Why C: in torch the
    add and the norm are seven elementwise ops (add, pow, mean, add, rsqrt, mul, mul), each a pass
    over the rows and, in a decode step of a few rows, each mostly dispatch overhead; here they are
    one pass per row. Where the product after the norm runs in gemm.c, the norm runs there instead,
    on each tile's rows as they are copied (rms_norm_row, cpu_kernels.h), and the normalised rows
-   are never stored: the bench workload 1.00-1.05x (bf16, whole runs alternating).
+   are never stored (the measurements: scripts/results/README.md).
 
    The numbers are HF's (LlamaRMSNorm), so greedy output still matches transformers:
        residual = dtype(x + residual)                       (when a residual is given)

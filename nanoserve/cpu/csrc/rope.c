@@ -1,11 +1,11 @@
 /* rope.c: RoPE on the fused q/k/v rows, and k and v written straight into the paged KV cache.
 
-   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why C: in torch this is
+   Built and loaded with the other CPU kernels by nanoserve/cpu/kernels.py. Why C: in torch this is
    apply_rope on q and on k (split, four products, a subtraction, an addition and a concatenation
    each) and store_kv's two index copies: some twenty ops a layer, in a decode step mostly dispatch
    overhead. Here it is one pass over each token's qkv row.
 
-   The numbers are the torch path's (models/llama.py:apply_rope, HF's layout: dim i pairs with
+   The numbers are the torch path's (nanoserve/layers.py:apply_rope, HF's layout: dim i pairs with
    dim i + head_dim / 2), with the same roundings to the model dtype after every product and sum:
        out[i]            = x[i] * cos[i] - x[i + half] * sin[i]
        out[i + half]     = x[i + half] * cos[i] + x[i] * sin[i]
@@ -24,7 +24,7 @@ rotate(const void *restrict src, void *restrict dst, const void *restrict cos,
     char *out = dst;
     int i = 0;
     /* LANES pairs at a time in explicit vectors: the compiler's own vectorising of the loop below
-       chose half-width vectors and took ~2x as long in bf16. */
+       chose half-width vectors (slower; the measurements: scripts/results/README.md). */
     for (; i + LANES <= half; i += LANES) {
         const vfloat x1 = load_lanes(x + i * size, bf16), x2 = load_lanes(x + (half + i) * size, bf16);
         const vfloat c = load_lanes(c_at + i * size, bf16), s = load_lanes(s_at + i * size, bf16);

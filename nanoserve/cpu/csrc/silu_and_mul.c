@@ -1,7 +1,7 @@
 /* silu_and_mul.c: the MLP's activation on CPU, silu(gate) * up, from the fused gate_up product
    into a new contiguous tensor (vLLM's silu_and_mul).
 
-   Built and loaded with the other CPU kernels by nanoserve/cpu_kernels.py. Why C: in torch this is
+   Built and loaded with the other CPU kernels by nanoserve/cpu/kernels.py. Why C: in torch this is
    two passes over the gate half of the [tokens, 2 * intermediate] product (silu in place, then the
    multiply), and down_proj then reads a strided view; here it is one pass that reads gate and up
    once and writes the contiguous [tokens, intermediate] rows down_proj multiplies fastest.
