@@ -33,8 +33,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanoserve.engine import AsyncLLM, EngineOverloadedError, RequestTimeoutError
-from nanoserve.engine_core import EngineDeadError, EngineStepError
+from nanoserve.engine import AsyncLLM
+from nanoserve.errors import (EngineDeadError, EngineOverloadedError, EngineStepError,
+                              RequestTimeoutError)
 from nanoserve.output_processor import CompletionOutput
 from nanoserve.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, is_type, param_of,
                                 parse_body, sampling_params_of)

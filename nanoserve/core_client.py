@@ -39,7 +39,8 @@ import zmq
 import zmq.asyncio
 
 from nanoserve.config import Config
-from nanoserve.engine_core import EngineCore, EngineDeadError, Inputs, run_busy_loop
+from nanoserve.engine_core import EngineCore, Inputs, run_busy_loop
+from nanoserve.errors import EngineDeadError
 from nanoserve.request import EngineCoreOutputs
 
 STOP_TIMEOUT_S = 5       # how long shutdown waits for the engine core before terminating it
@@ -188,8 +189,8 @@ def run_engine_core_process(config: Config, input_address: str, output_address: 
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     poller.register(conn.fileno(), zmq.POLLIN)
-    workers = [p.pid for p in getattr(core.runner, "procs", [])]   # tensor-parallel ranks
-    conn.send(("ready", (core.config, core.vocab_size, core.model_path, core.get_stats(), workers)))
+    conn.send(("ready", (core.config, core.vocab_size, core.model_path, core.get_stats(),
+                         core.worker_pids())))
 
     def get_inputs(block: bool) -> Inputs:
         items: Inputs = []

@@ -27,20 +27,13 @@ from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.core_client import InprocClient, MPClient
-from nanoserve.engine_core import EngineCore, EngineDeadError
+from nanoserve.engine_core import EngineCore
+from nanoserve.errors import EngineDeadError, EngineOverloadedError, RequestTimeoutError
 from nanoserve.output_processor import OutputProcessor, RequestOutput, load_tokenizer
 from nanoserve.request import Request, check_fits
 from nanoserve.sampling_params import SamplingParams
 
 PromptType = Union[str, dict]
-
-
-class EngineOverloadedError(RuntimeError):
-    """max_waiting_requests requests are waiting already: the server answers 503 + Retry-After."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """The request ran past request_timeout_s and was aborted."""
 
 
 class Processor:
@@ -79,6 +72,9 @@ class Processor:
         check_fits(self.config, len(prompt_token_ids), params.max_tokens)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs must be <= max_logprobs ({self.config.max_logprobs}) "
+                             f"(got {params.logprobs})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be <= the vocabulary size {self.vocab_size} "
                              f"(got {params.logprobs})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set); "
@@ -277,8 +273,8 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the engine frees its blocks before the next step."""
-        if request_id in self.output_processor.children:
-            self.engine_core.send("abort", self.output_processor.children[request_id])
+        if children_ids := self.output_processor.child_ids(request_id):
+            self.engine_core.send("abort", children_ids)
 
     def _time_out(self, request_id: str, stream: asyncio.Queue, timeout: float) -> None:
         self.num_requests_timed_out_total += 1
@@ -321,7 +317,6 @@ class AsyncLLM:
                 stream.put_nowait(self.dead_error)
 
     def _fail(self, child_id: str, error: Exception) -> None:
-        if child_id in self.output_processor.states:
-            request_id, _ = self.output_processor.states[child_id]
+        if (request_id := self.output_processor.parent_id(child_id)) is not None:
             self.abort(request_id)               # its siblings must not run on alone
             self._streams[request_id].put_nowait(error)

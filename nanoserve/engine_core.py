@@ -24,6 +24,7 @@ import traceback
 from typing import Callable, Sequence
 
 from nanoserve.config import Config
+from nanoserve.errors import EngineStepError
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request
 from nanoserve.scheduler import Scheduler
@@ -63,6 +64,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def worker_pids(self) -> list[int]:
+        """The tensor-parallel worker processes, rank order (none: the model runs in this one)."""
+        return self.runner.worker_pids() if isinstance(self.runner, MultiprocExecutor) else []
 
     def get_stats(self) -> dict[str, float]:
         """The engine's side of /metrics (gauges, and counters ending in _total)."""
@@ -112,19 +117,6 @@ class EngineCore:
               f"preempted {out.preempted_req_ids or '-'}, {duration * 1e3:.1f} ms", file=sys.stderr)
         if self.config.debug >= 2:
             self.kv_cache_manager.check_invariants()
-
-
-class EngineStepError(RuntimeError):
-    """A step failed; `request_ids` were in it and have been aborted (the engine goes on).
-    (Its args are the message alone, so it pickles: it crosses to the API server's process.)"""
-
-    def __init__(self, message: str, request_ids: Sequence[str] = ()):
-        super().__init__(message)
-        self.request_ids = list(request_ids)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped (an error in its loop, or its process died): nothing will run."""
 
 
 # One input of the loop: ("add", [Request]), ("abort", [request id]) or ("shutdown", None).

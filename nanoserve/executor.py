@@ -3,8 +3,9 @@
     LLM(model, tensor_parallel_size=2)      # or: nanoserve serve --tensor-parallel-size 2
 
 With `tensor_parallel_size` N > 1, `EngineCore` holds a `MultiprocExecutor` where it would hold
-a ModelRunner; it has the same `execute_model(scheduler_output)` and the attributes the core
-reads (config, timings, model_path, hf_config, vocab_size). The layout:
+a ModelRunner; it has the same `execute_model(scheduler_output)`, `timings`, and the attributes
+rank 0 reports once (worker.py's `RunnerInfo`: config, model_path, hf_config, vocab_size, ...).
+`worker_pids()` names the worker processes (the server prints them). The layout:
 
     engine core process                       worker processes, one per rank (spawned)
     MultiprocExecutor --- pipe per rank --->  Worker: join the group (gloo on CPU, NCCL on
@@ -33,16 +34,13 @@ from multiprocessing.connection import wait
 
 from nanoserve.config import Config
 from nanoserve.distributed import free_port
+from nanoserve.errors import WorkerError
 from nanoserve.models.llama import shard_for_tp
 from nanoserve.model_loader import resolve_model_path
 from nanoserve.request import SchedulerOutput
-from nanoserve.worker import run_worker
+from nanoserve.worker import RunnerInfo, run_worker
 
 JOIN_TIMEOUT_S = 5.0
-
-
-class WorkerError(RuntimeError):
-    """A worker process failed or died; the executor is unusable from then on."""
 
 
 class MultiprocExecutor:
@@ -66,13 +64,18 @@ class MultiprocExecutor:
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         try:
-            info = self._receive(range(len(self.procs)))[0]
+            info: RunnerInfo = self._receive(range(len(self.procs)))[0]
         except WorkerError:
             self.close()
             raise
-        for name, value in info.items():
-            setattr(self, name, value)
+        self.config, self.model_path, self.hf_config = info.config, info.model_path, info.hf_config
+        self.vocab_size, self.dtype, self.device = info.vocab_size, info.dtype, info.device
+        self.gemm_paths = info.gemm_paths
         self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # rank 0's
+
+    def worker_pids(self) -> list[int]:
+        """Each rank's process id, rank order."""
+        return [proc.pid for proc in self.procs]
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         """Send the step to every rank; return rank 0's ({request id: token}, logprobs)."""

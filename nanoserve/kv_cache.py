@@ -257,9 +257,10 @@ class KVCacheManager:
             self.tracer.emit("free", req=request.request_id, blocks=block_ids[::-1])
 
     def check_invariants(self) -> None:
-        """design.md §5, asserted (tests, and NANOSERVE_DEBUG=2 after every step): free + used
-        = total; each block's ref_cnt == the live block tables holding it; the free queue is
-        exactly the unreferenced blocks; the hash map and the blocks agree."""
+        """ARCHITECTURE.md, Invariants, asserted (by the tests, and after every step with
+        Config.debug = 2, `--debug 2`): free + used = total; each block's ref_cnt == the live
+        block tables holding it; the free queue is exactly the unreferenced blocks; the hash
+        map and the blocks agree."""
         pool = self.pool
         holders = [0] * pool.num_blocks
         for block_ids in self.req_to_block_ids.values():

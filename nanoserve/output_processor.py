@@ -180,14 +180,14 @@ class OutputProcessor:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.states: dict[str, tuple[str, RequestState]] = {}   # child id -> (request id, state)
-        self.children: dict[str, list[str]] = {}                # request id -> child ids
+        self._states: dict[str, tuple[str, RequestState]] = {}   # child id -> (request id, state)
+        self._children: dict[str, list[str]] = {}                # request id -> child ids
         self.num_generation_tokens_total = 0
 
     def add_request(self, request_id: str, children: list[Request]) -> None:
-        self.children[request_id] = [c.request_id for c in children]
+        self._children[request_id] = [c.request_id for c in children]
         for index, child in enumerate(children):
-            self.states[child.request_id] = (request_id, RequestState(
+            self._states[child.request_id] = (request_id, RequestState(
                 child.request_id, index, child.prompt_token_ids, child.sampling_params,
                 self.tokenizer))
 
@@ -197,9 +197,9 @@ class OutputProcessor:
         deltas: dict[str, list[CompletionOutput]] = {}
         stopped = []
         for out in outputs:
-            if out.request_id not in self.states:
+            if out.request_id not in self._states:
                 continue                     # its stream has already gone away
-            request_id, state = self.states[out.request_id]
+            request_id, state = self._states[out.request_id]
             if state.process(out):
                 stopped.append(out.request_id)
             self.num_generation_tokens_total += len(out.new_token_ids)
@@ -207,16 +207,25 @@ class OutputProcessor:
         return [RequestOutput(rid, None, [], completions, self.finished(rid))
                 for rid, completions in deltas.items()], stopped
 
+    def child_ids(self, request_id: str) -> list[str]:
+        """The engine request ids of a live request's completions ([] once it is removed)."""
+        return list(self._children.get(request_id, []))
+
+    def parent_id(self, child_id: str) -> Optional[str]:
+        """The request a completion belongs to, or None once that request is removed."""
+        entry = self._states.get(child_id)
+        return None if entry is None else entry[0]
+
     def finished(self, request_id: str) -> bool:
-        return all(self.states[c][1].finish_reason is not None for c in self.children[request_id])
+        return all(self._states[c][1].finish_reason is not None for c in self._children[request_id])
 
     def completions(self, request_id: str) -> list[CompletionOutput]:
         """The request's completions whole, in index order."""
-        return [self.states[c][1].completion() for c in self.children[request_id]]
+        return [self._states[c][1].completion() for c in self._children[request_id]]
 
     def remove(self, request_id: str) -> list[str]:
         """Forget a request; returns its child ids (to abort those still in the engine)."""
-        children = self.children.pop(request_id, [])
+        children = self._children.pop(request_id, [])
         for child_id in children:
-            self.states.pop(child_id, None)
+            self._states.pop(child_id, None)
         return children

@@ -4,8 +4,10 @@ the engine core sends back (EngineCoreOutput, batched per step into EngineCoreOu
 These are plain classes with no behaviour beyond bookkeeping, so every layer can import them
 without importing each other (the scheduler, the KV cache manager, the worker, the front ends),
 and they pickle as they are: the API server process and the engine core process exchange them
-over sockets (engine_core.py). `check_fits` is the one answer to "can this request ever run?",
-asked by both front ends before anything reaches the engine, and by the scheduler again.
+over ZMQ sockets, both ends of which are in core_client.py (`MPClient`, `run_engine_core_process`).
+`fit_error` is the one answer to "can this request ever run?": `check_fits` raises it for
+Processor (engine.py), which both front ends pass through before anything reaches the engine;
+the scheduler only asserts it.
 
 Lessons: lessons/03-continuous-batching.md, lessons/04-preemption.md
 """
@@ -53,7 +55,6 @@ class Request:
         self.block_hashes: list[bytes] = []   # filled by the KV cache manager
         self.status = RequestStatus.WAITING
         self.stop_reason: int | None = None   # the stop token id, when one ended it
-        self.num_preemptions = 0
         self.max_tokens = 0                   # set by the scheduler: max_tokens capped by room
 
     @property
@@ -123,20 +124,27 @@ class EngineCoreOutputs:
     error: Optional[str] = None
 
 
-def check_fits(config: Config, prompt_len: int, max_tokens: Optional[int]) -> None:
-    """ValueError (why, and by how much) for a request that could never finish."""
+def fit_error(config: Config, prompt_len: int, max_tokens: Optional[int]) -> Optional[str]:
+    """Why (and by how much) a request could never finish, or None when it can. A request that
+    needs more slots than the whole pool would preempt itself forever in the scheduler."""
     max_model_len, bs, num_blocks = config.max_model_len, config.block_size, config.num_kv_blocks
     if prompt_len == 0:
-        raise ValueError("prompt is empty: at least one token is needed")
+        return "prompt is empty: at least one token is needed"
     if prompt_len > max_model_len:
-        raise ValueError(f"prompt has {prompt_len} tokens, {prompt_len - max_model_len} more "
-                         f"than max_model_len ({max_model_len})")
+        return (f"prompt has {prompt_len} tokens, {prompt_len - max_model_len} more "
+                f"than max_model_len ({max_model_len})")
     final_len = min(prompt_len + (max_tokens or max_model_len), max_model_len)
     # The last sampled token is never fed back, so at most final_len - 1 slots are used.
     slots = max(prompt_len, final_len - 1)
     capacity = num_blocks * bs
     if slots > capacity:
-        raise ValueError(
-            f"prompt ({prompt_len} tokens) + max_tokens needs {slots} KV cache slots, "
-            f"{slots - capacity} more than the whole pool holds ({num_blocks} blocks "
-            f"of {bs}); lower max_tokens or give the KV cache more memory")
+        return (f"prompt ({prompt_len} tokens) + max_tokens needs {slots} KV cache slots, "
+                f"{slots - capacity} more than the whole pool holds ({num_blocks} blocks "
+                f"of {bs}); lower max_tokens or give the KV cache more memory")
+    return None
+
+
+def check_fits(config: Config, prompt_len: int, max_tokens: Optional[int]) -> None:
+    """ValueError (why, and by how much) for a request that could never finish."""
+    if (why := fit_error(config, prompt_len, max_tokens)) is not None:
+        raise ValueError(why)

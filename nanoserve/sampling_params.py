@@ -10,7 +10,9 @@ The names and defaults follow vLLM's `SamplingParams`, so a vLLM user's code rea
     ValueError: top_p must be in (0, 1] (got 1.5)
 
 Validation happens here, at construction, so bad input is refused before it reaches the
-engine. Torch-free: the scheduler and the API server read it too.
+engine; the checks that need the model (stop_token_ids against the vocabulary, logprobs against
+max_logprobs) are Processor's (engine.py). The sampler re-checks none of it, only asserts.
+Torch-free: the scheduler and the API server read it too.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any, Iterable, Optional
 
 from nanoserve.config import Config
 from nanoserve.kv_cache import KVCacheManager
-from nanoserve.request import EngineCoreOutput, Request, RequestStatus, SchedulerOutput, check_fits
+from nanoserve.request import EngineCoreOutput, Request, RequestStatus, SchedulerOutput, fit_error
 from nanoserve.trace import NULL_TRACER
 
 
@@ -89,11 +89,13 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request, or refuse it now if it could never run."""
+        """Queue a request (ValueError if its id is taken). Processor (engine.py) refused any
+        request that could never run, so one that gets here fits: asserted, not re-checked."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        check_fits(self.config, request.num_prompt_tokens, request.sampling_params.max_tokens)
         max_tokens = request.sampling_params.max_tokens
+        assert (why := fit_error(self.config, request.num_prompt_tokens, max_tokens)) is None, \
+            f"request {request.request_id} reached the scheduler unchecked: {why}"
         room = max(self.config.max_model_len - request.num_prompt_tokens, 1)
         request.max_tokens = room if max_tokens is None else min(max_tokens, room)
         self.requests[request.request_id] = request
@@ -192,7 +194,6 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add(request, front=True)
 

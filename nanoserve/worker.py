@@ -19,12 +19,31 @@ import multiprocessing
 import os
 import threading
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from nanoserve.config import Config
 from nanoserve.distributed import TensorParallel, init_tensor_parallel
 from nanoserve.model_loader import resolve_device
 from nanoserve.model_runner import ModelRunner
+
+
+@dataclass
+class RunnerInfo:
+    """What the engine core and its users read of a ModelRunner, sent once by rank 0: the
+    MultiprocExecutor holds these as attributes of the same names, where a ModelRunner would."""
+
+    config: Config               # resolved (max_model_len, num_kv_blocks): fixed from here on
+    model_path: Path
+    hf_config: Any               # the checkpoint's transformers PretrainedConfig
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+    gemm_paths: dict[str, str]   # each Linear's matmul path on this CPU
 
 
 class Worker:
@@ -35,12 +54,12 @@ class Worker:
         device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device))
         self.runner = ModelRunner(config, TensorParallel(rank, size), device)
 
-    def describe(self) -> dict:
+    def describe(self) -> RunnerInfo:
         """What the engine core reads from its runner (sent once, by rank 0)."""
         r = self.runner
-        return dict(config=r.config, model_path=r.model_path, hf_config=r.hf_config,
-                    vocab_size=r.vocab_size, dtype=r.dtype, device=r.device,
-                    gemm_paths=r.gemm_paths)
+        return RunnerInfo(config=r.config, model_path=r.model_path, hf_config=r.hf_config,
+                          vocab_size=r.vocab_size, dtype=r.dtype, device=r.device,
+                          gemm_paths=r.gemm_paths)
 
 
 def _exit_with_parent() -> None:

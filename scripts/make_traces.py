@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
-from nanoserve.tools.replay import Trace  # noqa: E402
+from nanoserve.trace import Trace  # noqa: E402
 from nanoserve.tools.replay_plots import summary_table  # noqa: E402
 
 STORIES = ["Once upon a time", "Tom and Lily went to the park", "The little dog was sad because",

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.api import MAX_BODY_BYTES, build_app
-from nanoserve.engine_core import EngineDeadError
+from nanoserve.errors import EngineDeadError
 
 KEY, MODEL = "test-key", "tiny"
 CONFIG = dict(max_model_len=256, block_size=16, num_kv_blocks=64, device="cpu")

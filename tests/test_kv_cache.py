@@ -1,5 +1,5 @@
-"""The KV cache manager: block tables, prefix hits, LRU eviction, and design.md §5's
-invariants under random interleavings (hypothesis)."""
+"""The KV cache manager: block tables, prefix hits, LRU eviction, and its invariants
+(ARCHITECTURE.md, Invariants) under random interleavings (hypothesis)."""
 
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

@@ -1,8 +1,8 @@
-"""`nanoserve trace` (replay.py, replay_plots.py): the state it rebuilds from a trace file
-equals the live KV manager's state after every step (the oracle: the model-free scheduler
-of fake_engine.py, driven the way EngineCore.step() drives it); the summary equals numbers
-worked out by hand on a small trace; the figures and Chrome JSON are written; a malformed
-line gets an error that names it.
+"""`nanoserve trace` (trace.py's reader, replay.py, replay_plots.py): the state it rebuilds
+from a trace file equals the live KV manager's state after every step (the oracle: the
+model-free scheduler of fake_engine.py, driven the way EngineCore.step() drives it); the
+summary equals numbers worked out by hand on a small trace; the figures and Chrome JSON are
+written; a malformed line gets an error that names it.
 
     pytest -q tests/test_replay.py
 """
@@ -18,9 +18,9 @@ from rich.console import Console
 
 from fake_engine import FakeRunner, make_request, make_scheduler
 from nanoserve import cli
-from nanoserve.tools.replay import Trace, main, render
+from nanoserve.tools.replay import Layout, main, render
 from nanoserve.tools.replay_plots import chrome_trace, summary, write_plots
-from nanoserve.trace import Tracer
+from nanoserve.trace import Trace, Tracer
 
 
 def traced_run(path, num_blocks=20, block_size=4, seed=1, **cfg):
@@ -76,9 +76,9 @@ def test_every_frame_equals_the_live_kv_state(tmp_path):
 
 def grid_cells(text: str, trace: Trace) -> dict[int, str]:
     """The block grid of a rendered frame: block id -> what its cell shows."""
-    cells = {}
+    cells, layout = {}, Layout.of(trace)
     for start, rest in re.findall(r"^│\s+(\d+) │(.*)$", text, re.M):
-        n = min(16 if trace.label_width <= 2 else 8, trace.grid_blocks - int(start))
+        n = min(16 if layout.label_width <= 2 else 8, layout.grid_blocks - int(start))
         cells.update({int(start) + i: tok for i, tok in enumerate(rest.split()[:n])})
     return cells
 
@@ -92,7 +92,7 @@ def test_frame_shows_the_block_owners_the_trace_gives(tmp_path):
     console.print(render(trace, trace.frame(step), console.width))
     cells = grid_cells(console.export_text(), trace)
     owners, cached, _ = truth[step]
-    assert sorted(cells) == list(range(trace.grid_blocks)) and trace.grid_blocks == 20
+    assert sorted(cells) == list(range(Layout.of(trace).grid_blocks)) == list(range(20))
     for b, cell in cells.items():
         if b in owners:
             assert cell.rstrip("+") in owners[b] and cell.endswith("+") == (len(owners[b]) > 1)

@@ -145,14 +145,19 @@ def test_stop_conditions():
 
 
 def test_impossible_requests_are_rejected_up_front():
+    """check_fits (what Processor runs before anything reaches the engine) refuses them; the
+    scheduler only asserts that it did."""
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=64)
     with pytest.raises(ValueError, match="3 more than max_model_len"):
-        sched.add_request(make_request("long", [1] * 67, 1))
+        check_fits(sched.config, 67, 1)
     with pytest.raises(ValueError, match="empty"):
-        sched.add_request(make_request("empty", [], 1))
+        check_fits(sched.config, 0, 1)
     # 10 prompt + 10 output needs 19 slots; the pool holds 16.
     with pytest.raises(ValueError, match="3 more than the whole pool"):
+        check_fits(sched.config, 10, 10)
+    with pytest.raises(AssertionError, match="unchecked: .*3 more than the whole pool"):
         sched.add_request(make_request("big", [1] * 10, 10))
+    check_fits(sched.config, 10, 6)
     sched.add_request(make_request("ok", [1] * 10, 6))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("ok", [1], 1))

@@ -16,21 +16,40 @@ The figures, all over the engine's step number (one step = one forward pass):
 - latency_cdf.png: CDFs of time to first token and end-to-end latency.
 
 Figures are drawn on `matplotlib.figure.Figure` directly (no pyplot), so no display and no
-global backend are needed. Input is a `replay.Trace`; this module never imports the engine.
+global backend are needed. Input is a `Trace` (nanoserve/trace.py reads the file); this module
+never imports the engine, nor replay.py (cli.py runs the replay, then `main` here).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from itertools import pairwise
 from typing import Optional
 
 from matplotlib.figure import Figure
+from rich.console import Console
 from rich.table import Table
 
-from nanoserve.tools.replay import Trace
+from nanoserve.trace import Trace
 
 COLOURS = {"wait": "#d9d9d9", "prefill": "#f0a030", "decode": "#3a9a4a"}
+
+
+def main(trace: Trace, with_summary: bool = False, plot: Optional[str] = None,
+         chrome: Optional[str] = None, compare: Optional[str] = None,
+         console: Optional[Console] = None) -> None:
+    """`nanoserve trace`'s other outputs, each asked for: the summary table (`compare`: a
+    second trace's summary beside it), the figures into the folder `plot`, the Chrome JSON."""
+    console = console or Console()
+    if with_summary or compare:
+        console.print(summary_table(trace, *([Trace.load(compare)] if compare else [])))
+    for written in write_plots(trace, plot) if plot else []:
+        console.print(f"wrote {written}")
+    if chrome:
+        with open(chrome, "w", encoding="utf-8") as f:
+            json.dump(chrome_trace(trace), f)
+        console.print(f"wrote {chrome} (open it in ui.perfetto.dev)")
 
 
 def summary(trace: Trace) -> dict:
