@@ -72,7 +72,7 @@ def check_paged_decode(mod, say) -> None:
             v.transpose(0, 1).repeat_interleave(2, 0))[:, 0]
         meta = AttentionMetadata(slots[-1:], torch.tensor([table], dtype=torch.int32),
                                  torch.tensor([seq_len], dtype=torch.int32),
-                                 torch.tensor([0, 1], dtype=torch.int32), 1, seq_len)
+                                 torch.tensor([0, 1], dtype=torch.int32), 1)
         paged = paged_attention_torch(query[None], k_cache, v_cache, meta, dim ** -0.5)[0]
         expect(torch.allclose(dense, paged, atol=1e-5), "the oracles disagree (a bug in the check)")
         expect(torch.allclose(got, dense, atol=1e-4),

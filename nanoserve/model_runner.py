@@ -19,7 +19,11 @@ short of its prompt's end computes K/V and nothing else.
 Finding and reading the checkpoint, and the KV pool's sizing formulas, are in model_loader.py
 (`nanoserve memory` uses them too, without a ModelRunner).
 
-Under tensor parallel each rank's ModelRunner (executor.py) holds its shard of the weights and
+The model is plain torch; how its ops run on this device (the Triton kernels on CUDA, the C
+kernels and a fused step on CPU, or the torch reference) is the backend's, chosen once at load
+(backends.py): the runner calls `backend.forward`, never a kernel.
+
+Under tensor parallel each rank's ModelRunner (worker.py) holds its shard of the weights and
 of the KV heads, runs the same step on the same flat batch, and only rank 0 samples.
 
 Lesson: lessons/06-length-and-memory.md
@@ -27,70 +31,22 @@ Lesson: lessons/06-length-and-memory.md
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import time
 from typing import Optional
 
 import torch
 
+from nanoserve.attention_metadata import AttentionMetadata
+from nanoserve.backends import load_backend
 from nanoserve.config import Config
+from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.model_loader import (CPU_KV_CACHE_GB, iterate_weights, kv_cache_memory_budget,
                                     max_len_of, num_blocks_for_memory, resolve_device,
                                     resolve_dtype, resolve_model_path)
-from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.models import get_model_class
-from nanoserve.models.decode_plan import DecodePlan
-from nanoserve.models.linear import choose_cpu_gemms
-from nanoserve.paged_attention import AttentionMetadata
-from nanoserve.cpu.kernels import load as load_cpu_kernels
+from nanoserve.models.llama import head_dim_of, num_kv_heads_of
 from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
-
-
-def _libc() -> Optional[ctypes.CDLL]:
-    """glibc on Linux, else None (macOS, Windows, musl: the memory tuning below is skipped)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:
-        return None
-
-
-def keep_freed_memory() -> None:
-    """Ask glibc (Linux) to keep freed activation memory for reuse instead of unmapping it.
-
-    Why: a 2048-token prefill allocates and frees activations of up to ~25 MB in every layer.
-    By default glibc serves big blocks with fresh mmap()s and gives them back on free(), so each
-    such step pays ~350k page faults (~0.3 s of a 2.4 s prefill step on the bench model). With
-    the mmap threshold at glibc's 32 MiB maximum and trimming only above 1 GiB, memory is reused."""
-    libc = _libc()
-    if libc is None:
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)
-    libc.mallopt(m_trim_threshold, 2**30)
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> None:
-    """Ask Linux to back a big CPU tensor with 2 MiB pages (transparent huge pages), before its
-    memory is first touched.
-
-    Why, for the KV cache: a decode token's attention reads its request's blocks, which lie
-    anywhere in a cache of gigabytes. With 4 KiB pages nearly every block costs TLB misses (the
-    TLB covers a few MiB); with 2 MiB pages a 64-decode attention layer of the bench model took
-    2.75 instead of 3.06 ms in float32 (Zen 3). Where THP is off ("never"), or not Linux, this
-    does nothing; where it is "always", the kernel already does it."""
-    libc = _libc() if tensor.device.type == "cpu" else None
-    if libc is None:
-        return
-    huge, madv_hugepage = 2 * 2**20, 14    # the page size; MADV_HUGEPAGE from <sys/mman.h>
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // huge) * huge, end // huge * huge   # whole huge pages inside
-    if last > first:
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), madv_hugepage)
 
 
 class ModelRunner:
@@ -104,18 +60,11 @@ class ModelRunner:
         self.hf_config = AutoConfig.from_pretrained(self.model_path)
         self.tp = tp
         self.device = device or torch.device(resolve_device(config.device))
-        if self.device.type == "cpu":
-            keep_freed_memory()
-            load_cpu_kernels()  # build them (or warn) now, not in the middle of the first step
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         self.model = self._load_model()
-        # On CUDA every product stays F.linear (cuBLAS): "torch" is forced, nothing is timed.
-        self.gemm_paths = choose_cpu_gemms(
-            self.model.linears(config.max_num_batched_tokens, config.max_num_seqs),
-            config.cpu_gemm if self.device.type == "cpu" else "torch",
-            shared=frozenset({id(self.model.model.embed_tokens.weight)}))
-        # Decode steps as one flat loop of the model's C calls (decode_plan.py); None without the kernels
-        self.decode_plan = DecodePlan.build(self.model) if self.device.type == "cpu" else None
+        # Each op's form for this device, chosen once (backends.py); the model itself stays plain.
+        self.backend = load_backend(self.model, config, self.device)
+        self.gemm_paths = self.backend.gemm_paths
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
         self.config = config.resolve(max_position_embeddings=max_len_of(self.model),
@@ -128,7 +77,8 @@ class ModelRunner:
                 f"of max_model_len ({self.config.max_model_len}); lower max_model_len or raise "
                 f"num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization")
         self.kv_caches = self._allocate_kv_caches(self.config.num_kv_blocks)
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed),
+                               argmax=self.backend.argmax)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its seeded generator
         self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # seconds, summed
 
@@ -171,9 +121,10 @@ class ModelRunner:
                                       device=self.device)[None],
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            max_query_len=n, max_seq_len=n)
-        hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
-                            torch.arange(n, device=self.device), caches, meta)
+            max_query_len=n)
+        hidden = self.backend.forward(torch.zeros(n, dtype=torch.long, device=self.device),
+                                      torch.arange(n, device=self.device), caches,
+                                      self.backend.build_metadata(meta))
         # The logits in the model dtype and the float32 copy a sampling stage makes (TP: rank 0 only).
         logits = self.model.compute_logits(hidden[-config.max_num_seqs:])
         logits = None if logits is None else logits.float()
@@ -191,16 +142,10 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.shard_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, self.block_size,
-                 getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim)
-        return [(self._zeroed_cache(shape), self._zeroed_cache(shape))
+        shape = (num_blocks, self.block_size, num_kv_heads_of(cfg), head_dim_of(cfg))
+        new = self.backend.new_kv_cache
+        return [(new(shape, self.dtype, self.device), new(shape, self.dtype, self.device))
                 for _ in range(cfg.num_hidden_layers)]
-
-    def _zeroed_cache(self, shape: tuple) -> torch.Tensor:
-        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-        advise_huge_pages(cache)   # before zero_() touches (and so maps) its pages
-        return cache.zero_()
 
     # -- one step --------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput):
@@ -230,7 +175,7 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(**to), block_tables=block_tables.to(**to),
             seq_lens=seq_lens.to(dtype=torch.int32, **to),
             query_start_loc=query_start_loc.to(dtype=torch.int32, **to),
-            max_query_len=max(out.num_scheduled_tokens), max_seq_len=int(seq_lens.max()))
+            max_query_len=max(out.num_scheduled_tokens))
         return (torch.tensor(input_ids, device=self.device), positions.to(**to), meta,
                 logits_indices.to(**to), [r for r, s in zip(out.requests, samples) if s])
 
@@ -242,10 +187,8 @@ class ModelRunner:
         start = time.perf_counter()
         input_ids, positions, meta, logits_indices, sampling = self.prepare_inputs(out)
         forward_start = time.perf_counter()
-        plan = self.decode_plan
-        hidden = None if plan is None else plan(input_ids, positions, self.kv_caches, meta)
-        if hidden is None:   # no plan here, or a step it does not take
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.backend.forward(input_ids, positions, self.kv_caches,
+                                      self.backend.build_metadata(meta))
         self.timings["prepare"] += forward_start - start
         if not sampling:
             self.timings["forward"] += time.perf_counter() - forward_start

@@ -18,13 +18,14 @@ position up to and including its own:
     chunked prefill  cached prefix,      1 < query_len < seq_len (also a prefix-cache hit)
     decode           cached prefix,      query_len == 1
 
-The model calls `store_kv` for the whole flat batch first and `paged_attention` second, so the new
+The model stores K/V for the whole flat batch first and attends second, so the new
 tokens are read back through the cache like any other: one code path for all three cases.
 
-`store_kv` / `paged_attention` dispatch on the device: CUDA tensors go to the Triton kernels in
-paged_attention_triton.py (imported lazily, so CPU never needs Triton), everything else to the
-torch versions below, which are also the reference the kernels are tested against. On CPU, two small
-C kernels (cpu_kernels.py) read the cache in place: one for decode tokens, one for the rest.
+This file is the torch reference, the code the lessons cite and the oracle every other form is
+tested against. The model calls it through the seam (layers.py: `RopeStoreKV` stores, `Attention`
+attends): a backend chosen once at load may replace it with its own form of the same math, the
+Triton kernels on CUDA (cuda/paged_attention_triton.py) or the C kernels on CPU (cpu/backend.py),
+which read the cache in place instead of gathering each request's blocks into a copy.
 
 Run the oracle tests (paged attention == dense scaled_dot_product_attention):
     pytest -q tests/test_paged_attention.py
@@ -34,90 +35,11 @@ Lesson: lessons/02-paged-attention.md
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from nanoserve.cpu import kernels as cpu_kernels
-
-
-@dataclass
-class AttentionMetadata:
-    """Where this step's tokens go and what they attend to; built by the worker once per step
-    and passed explicitly to every layer (no global context).
-
-    Example, block_size 4: request 0 decodes its 10th token, request 1 prefills 3 prompt tokens.
-        slot_mapping    [13, 20, 21, 22]       (position 9 of block table [7, 1, 3]; block 5)
-        block_tables    [[7, 1, 3], [5, 0, 0]] (rows padded with 0)
-        seq_lens        [10, 3]
-        query_start_loc [0, 1, 4]
-        max_query_len 3, max_seq_len 10
-    """
-
-    slot_mapping: Tensor  # [num_tokens] int64: cache slot of each new token
-    block_tables: Tensor  # [num_reqs, max_blocks_per_req] int32, rows padded with 0
-    seq_lens: Tensor  # [num_reqs] int32: tokens in the cache per request after this step
-    query_start_loc: Tensor  # [num_reqs + 1] int32: request i's tokens are query[qsl[i]:qsl[i+1]]
-    max_query_len: int
-    max_seq_len: int
-
-    def __post_init__(self):
-        # Shape checks only: they cost nothing and need no device sync, unlike value checks.
-        num_reqs = self.seq_lens.shape[0]
-        if self.slot_mapping.dim() != 1 or self.slot_mapping.dtype != torch.int64:
-            raise ValueError(
-                f"slot_mapping must be 1-D int64, got shape {tuple(self.slot_mapping.shape)} "
-                f"dtype {self.slot_mapping.dtype}"
-            )
-        if self.seq_lens.dim() != 1:
-            raise ValueError(f"seq_lens must be 1-D, got shape {tuple(self.seq_lens.shape)}")
-        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != num_reqs:
-            raise ValueError(
-                f"block_tables must be [num_reqs={num_reqs}, max_blocks_per_req], "
-                f"got shape {tuple(self.block_tables.shape)}"
-            )
-        if tuple(self.query_start_loc.shape) != (num_reqs + 1,):
-            raise ValueError(
-                f"query_start_loc must have num_reqs + 1 = {num_reqs + 1} entries, "
-                f"got shape {tuple(self.query_start_loc.shape)}"
-            )
-
-    @property
-    def num_reqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    @functools.cached_property
-    def cpu_split(self) -> tuple["RequestGroup", "RequestGroup"]:
-        """(decodes, the others): this step's requests as the two CPU kernels take them. Computed
-        once per step, on first use: every layer's attention reads the same split."""
-        query_len = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        return tuple(RequestGroup.of(self, rows) for rows in (query_len == 1, query_len > 1))
-
-
-class RequestGroup(NamedTuple):
-    """Some of a step's requests, in contiguous int32 tensors (what the C kernels read)."""
-    indices: list[int]     # which of the step's requests
-    query_start: Tensor    # [n]: each one's first row in the flat batch
-    query_len: Tensor      # [n]
-    block_tables: Tensor   # [n, max_blocks_per_req]
-    seq_lens: Tensor       # [n]
-    arguments: tuple[int, ...]   # the 4 addresses, n, max_blocks_per_req: once a step, not a layer
-
-    @staticmethod
-    def of(md: AttentionMetadata, selected: Tensor) -> "RequestGroup":
-        rows = selected.nonzero().flatten()
-        qsl = md.query_start_loc
-        arrays = (qsl[rows].to(torch.int32), (qsl[rows + 1] - qsl[rows]).to(torch.int32),
-                  md.block_tables[rows].to(torch.int32), md.seq_lens[rows].to(torch.int32))
-        return RequestGroup(rows.tolist(), *arrays,
-                            (*(a.data_ptr() for a in arrays), len(rows), arrays[2].shape[1]))
-
-
-# ----------------------------------------------------------------------------- torch (CPU + reference)
+from nanoserve.attention_metadata import AttentionMetadata
 
 
 def store_kv_torch(
@@ -188,44 +110,3 @@ def attend_each(query: Tensor, out: Tensor, k_cache: Tensor, v_cache: Tensor,
         k = _gather_kv(k_rows, block_ids, seq_len, kv_shape)
         v = _gather_kv(v_rows, block_ids, seq_len, kv_shape)
         out[qsl[i]:qsl[i + 1]] = _attend_one(query[qsl[i]:qsl[i + 1]], k, v, scale)
-
-
-def paged_attention_cpu(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, attn_metadata: AttentionMetadata, scale: float
-) -> Tensor:
-    """paged_attention_torch, except that the C kernels of cpu_kernels.py take the decodes
-    and the other requests where they are available: they read K/V in place, without the copy.
-    Whatever a kernel does not take (not built here, a dtype it lacks) goes through the torch loop."""
-    out = torch.empty_like(query)
-    left: list[int] = []
-    for kernel, group in zip(("decode_attention", "prefill_attention"), attn_metadata.cpu_split):
-        if group.indices and not cpu_kernels.attention_kernel(kernel, query, out, k_cache, v_cache,
-                                                              group, scale):
-            left += group.indices
-    if left:
-        attend_each(query, out, k_cache, v_cache, attn_metadata, scale, left)
-    return out
-
-
-# ----------------------------------------------------------------------------- dispatch
-
-
-def store_kv(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Write this step's key/value `[num_tokens, num_kv_heads, head_dim]` into the paged caches."""
-    if key.is_cuda:
-        from nanoserve.cuda.paged_attention_triton import store_kv_triton
-
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
-
-
-def paged_attention(
-    query: Tensor, k_cache: Tensor, v_cache: Tensor, attn_metadata: AttentionMetadata, scale: float
-) -> Tensor:
-    """Attention of this step's queries over the paged cache (run `store_kv` first)."""
-    if query.is_cuda:
-        from nanoserve.cuda.paged_attention_triton import paged_attention_triton
-
-        return paged_attention_triton(query, k_cache, v_cache, attn_metadata, scale)
-    return paged_attention_cpu(query, k_cache, v_cache, attn_metadata, scale)

@@ -20,7 +20,7 @@ penalties + argmax. Worked example, one row, temperature 0.5, top_k 2:
     top_k 2 keeps the two largest             -> [4.0, 2.0, -inf, -inf]
     softmax: token 0 w.p. 0.881, token 1 w.p. 0.119, tokens 2 and 3 never
 
-The worker builds `SamplingMetadata.from_requests(...)` once per step, then calls `Sampler()`.
+The model runner builds `SamplingMetadata.from_requests(...)` once per step, then calls `Sampler()`.
 Tests: pytest -x -q tests/test_sampler.py
 Lesson: lessons/07-sampling-and-config.md
 """
@@ -28,12 +28,12 @@ Lesson: lessons/07-sampling-and-config.md
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from nanoserve.cpu import kernels as cpu_kernels
+from nanoserve.layers import greedy_argmax
 from nanoserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -75,25 +75,8 @@ class SamplingMetadata:
                       vocab_size: int, device) -> "SamplingMetadata":
         """Build the metadata of one step. `generators[i]` is request i's own generator
         (`torch.Generator(device).manual_seed(seed)`, kept by the engine across steps) or None."""
-        n = len(params)
-        for name, per_row in (("prompt_token_ids", prompt_token_ids),
-                              ("output_token_ids", output_token_ids), ("generators", generators)):
-            if len(per_row) != n:
-                raise ValueError(f"{name} must have one entry per request "
-                                 f"(got {len(per_row)} for {n} requests)")
-        if not (isinstance(vocab_size, int) and vocab_size > 0):
-            raise ValueError(f"vocab_size must be a positive integer (got {vocab_size!r})")
-        if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
-            raise ValueError(f"eos_token_id must be in [0, {vocab_size}) (got {eos_token_id})")
-        for p, gen in zip(params, generators):
-            if any(t >= vocab_size for t in p.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be < vocab_size {vocab_size} "
-                                 f"(got {p.stop_token_ids})")
-            if p.logprobs is not None and p.logprobs > vocab_size:
-                raise ValueError(f"logprobs must be <= vocab_size {vocab_size} (got {p.logprobs})")
-            if p.seed is not None and gen is None:
-                raise ValueError(f"generators: a request with seed {p.seed} needs its generator")
-
+        _check_batch(params, prompt_token_ids, output_token_ids, generators, eos_token_id,
+                     vocab_size)
         greedy = [p.is_greedy for p in params]
         all_greedy = all(greedy)
 
@@ -106,34 +89,11 @@ class SamplingMetadata:
             return None if all(v == off for v in values) else row_tensor(values, dtype)
 
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-
-        # min_tokens: vLLM masks the model's EOS even under ignore_eos (ignore_eos only tells
-        # the scheduler not to stop on it).
-        mask_rows, mask_ids = [], []
-        for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            if len(out) < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if eos_token_id is not None:
-                    stop_ids.add(eos_token_id)
-                mask_rows += [i] * len(stop_ids)
-                mask_ids += sorted(stop_ids)
-
-        # Penalties need token counts; only the rows that use a penalty pay for building them.
-        rep = [p.repetition_penalty for p in params]
-        rep_on = any(r != 1.0 for r in rep)
-        out_on = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
-        prompt_mask = output_counts = None
-        if rep_on:
-            prompt_mask = _token_counts([ids if r != 1.0 else [] for ids, r in
-                                         zip(prompt_token_ids, rep)], vocab_size, device) > 0
-        if rep_on or out_on:
-            penalised = [r != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                         for r, p in zip(rep, params)]
-            output_counts = _token_counts([ids if on else [] for ids, on in
-                                           zip(output_token_ids, penalised)], vocab_size, device)
-
+        mask_rows, mask_ids = _min_tokens_mask(params, output_token_ids, eos_token_id)
+        rep_on, out_on, prompt_mask, output_counts = _penalty_counts(
+            params, prompt_token_ids, output_token_ids, vocab_size, device)
         return cls(
-            num_rows=n,
+            num_rows=len(params),
             vocab_size=vocab_size,
             all_greedy=all_greedy,
             greedy=row_tensor(greedy, torch.bool) if any(greedy) and not all_greedy else None,
@@ -147,7 +107,8 @@ class SamplingMetadata:
                         if gen is not None and not g},
             min_tokens_rows=row_tensor(mask_rows, torch.int64),
             min_tokens_token_ids=row_tensor(mask_ids, torch.int64),
-            repetition_penalty=row_tensor(rep, torch.float32) if rep_on else None,
+            repetition_penalty=row_tensor([p.repetition_penalty for p in params], torch.float32)
+            if rep_on else None,
             prompt_mask=prompt_mask,
             frequency_penalty=row_tensor([p.frequency_penalty for p in params], torch.float32)
             if out_on else None,
@@ -159,6 +120,66 @@ class SamplingMetadata:
                                      torch.int64),
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         )
+
+
+def _check_batch(params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                 output_token_ids: list[list[int]], generators: list[Optional[torch.Generator]],
+                 eos_token_id: Optional[int], vocab_size: int) -> None:
+    """ValueError for a batch the caller put together wrong. The parameters' own values were
+    checked once, by SamplingParams and Processor (engine.py): here they are only asserted."""
+    n = len(params)
+    for name, per_row in (("prompt_token_ids", prompt_token_ids),
+                          ("output_token_ids", output_token_ids), ("generators", generators)):
+        if len(per_row) != n:
+            raise ValueError(f"{name} must have one entry per request "
+                             f"(got {len(per_row)} for {n} requests)")
+    if not (isinstance(vocab_size, int) and vocab_size > 0):
+        raise ValueError(f"vocab_size must be a positive integer (got {vocab_size!r})")
+    if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+        raise ValueError(f"eos_token_id must be in [0, {vocab_size}) (got {eos_token_id})")
+    for p, gen in zip(params, generators):
+        assert all(t < vocab_size for t in p.stop_token_ids), \
+            f"stop_token_ids {p.stop_token_ids} reached the sampler unchecked (vocab {vocab_size})"
+        assert p.logprobs is None or p.logprobs <= vocab_size, \
+            f"logprobs {p.logprobs} reached the sampler unchecked (vocab {vocab_size})"
+        if p.seed is not None and gen is None:
+            raise ValueError(f"generators: a request with seed {p.seed} needs its generator")
+
+
+def _min_tokens_mask(params: list[SamplingParams], output_token_ids: list[list[int]],
+                     eos_token_id: Optional[int]) -> tuple[list[int], list[int]]:
+    """The (row, token id) pairs to set to -inf: EOS and the stop ids of each row whose output
+    is still shorter than min_tokens. vLLM masks the model's EOS even under ignore_eos
+    (ignore_eos only tells the scheduler not to stop on it)."""
+    mask_rows, mask_ids = [], []
+    for i, (p, out) in enumerate(zip(params, output_token_ids)):
+        if len(out) < p.min_tokens:
+            stop_ids = set(p.stop_token_ids)
+            if eos_token_id is not None:
+                stop_ids.add(eos_token_id)
+            mask_rows += [i] * len(stop_ids)
+            mask_ids += sorted(stop_ids)
+    return mask_rows, mask_ids
+
+
+def _penalty_counts(params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]], vocab_size: int, device
+                    ) -> tuple[bool, bool, Optional[Tensor], Optional[Tensor]]:
+    """(any repetition penalty, any frequency/presence penalty, prompt_mask, output_counts).
+    Penalties need token counts; only the rows that use a penalty pay for building them."""
+    rep = [p.repetition_penalty for p in params]
+    rep_on = any(r != 1.0 for r in rep)
+    out_on = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+    prompt_mask = output_counts = None
+    if rep_on:
+        prompt_mask = _token_counts([ids if r != 1.0 else [] for ids, r in
+                                     zip(prompt_token_ids, rep)], vocab_size, device) > 0
+    if rep_on or out_on:
+        penalised = [r != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                     for r, p in zip(rep, params)]
+        output_counts = _token_counts([ids if on else [] for ids, on in
+                                       zip(output_token_ids, penalised)], vocab_size, device)
+    return rep_on, out_on, prompt_mask, output_counts
 
 
 def _token_counts(token_ids: list[list[int]], vocab_size: int, device) -> Tensor:
@@ -234,10 +255,12 @@ def apply_top_k_top_p(logits: Tensor, top_k: Optional[Tensor], max_top_k: int,
 
 class Sampler:
     """`Sampler(generator)(logits, metadata) -> SamplerOutput`. Rows without a generator of
-    their own draw from `generator` (the global torch RNG when None)."""
+    their own draw from `generator` (the global torch RNG when None). `argmax`: each row's
+    argmax, the backend's (the CPU backend's reads bf16 logits as they are, vectorised)."""
 
-    def __init__(self, generator: Optional[torch.Generator] = None):
-        self.generator = generator
+    def __init__(self, generator: Optional[torch.Generator] = None,
+                 argmax: Callable[[Tensor], Tensor] = greedy_argmax):
+        self.generator, self.argmax = generator, argmax
 
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or tuple(logits.shape) != (md.num_rows, md.vocab_size):
@@ -255,9 +278,9 @@ class Sampler:
         logits = apply_penalties(logits, md)
 
         if md.all_greedy:
-            sampled = cpu_kernels.argmax(logits)
+            sampled = self.argmax(logits)
         else:
-            greedy_ids = cpu_kernels.argmax(logits) if md.greedy is not None else None
+            greedy_ids = self.argmax(logits) if md.greedy is not None else None
             if md.temperature is not None:
                 logits.div_(md.temperature[:, None])
             if md.min_p is not None:
@@ -286,7 +309,7 @@ class Sampler:
         q = q.neg_().log1p_().neg_()
         # The noise may be exactly 0; then 0 / 0 = NaN would let a masked token win.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return cpu_kernels.argmax(probs.div_(q))
+        return self.argmax(probs.div_(q))
 
 
 def _logprobs(raw_logits: Tensor, sampled: Tensor,

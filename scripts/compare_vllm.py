@@ -117,7 +117,8 @@ class VllmEngine:
     """vLLM's LLM in a subprocess of its virtualenv, started and warmed up; `run()` times the
     workload once there."""
 
-    def __init__(self, python: str, spec: dict, tmp: str, side: str = VLLM_SIDE):
+    def __init__(self, python: str, spec: dict, tmp: str, side: str = VLLM_SIDE,
+                 env: dict | None = None):
         spec_path, script = os.path.join(tmp, "spec.json"), os.path.join(tmp, "run_vllm.py")
         Path(spec_path).write_text(json.dumps(spec))
         Path(script).write_text(side)
@@ -125,7 +126,7 @@ class VllmEngine:
         # Its own process group (Ctrl-C here does not reach it; killpg reaches its engine process
         # too) in this session: if this script dies while vLLM is paused, the kernel sends the
         # group SIGHUP and SIGCONT (a stopped group left orphaned), so vLLM does not stay stopped.
-        self.proc = subprocess.Popen([python, script, spec_path], env=vllm_env(), text=True,
+        self.proc = subprocess.Popen([python, script, spec_path], env=env or vllm_env(), text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, preexec_fn=os.setpgrp)
         self._expect("READY")

@@ -49,7 +49,7 @@ def test_bench_peak_is_measured_on_the_models_own_gemm_path(checkpoint, capsys):
 
 FAULTS_SCRIPT = """
 import ctypes, resource, sys, torch
-from nanoserve.model_runner import keep_freed_memory
+from nanoserve.cpu.host_memory import keep_freed_memory
 # glibc's starting point, pinned: blocks over 128 KiB come from mmap and go back on free. (Left
 # alone, glibc's adaptive threshold lands anywhere between the two cases below, run to run.)
 ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
@@ -100,7 +100,7 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no THP here")
 def test_kv_cache_memory_is_advised_huge_pages():
-    from nanoserve.model_runner import advise_huge_pages
+    from nanoserve.cpu.host_memory import advise_huge_pages
     cache = torch.empty(64 * 2**20 // 4)     # 64 MiB, as one layer's K of a 4 GiB pool
     advise_huge_pages(cache)
     cache.zero_()

@@ -12,6 +12,7 @@ import pytest
 from conftest import build_checkpoint
 from nanoserve import LLM
 from nanoserve.cli import main as cli
+from nanoserve.layers import Linear
 from nanoserve.tools.cost import CostInputs, cost_inputs, plot_cost
 from nanoserve.tools.memory import memory_report, plot_memory
 
@@ -112,8 +113,8 @@ def test_calculator_block_count_equals_the_engines(tiny, dtype, gb):
     # Weights: what the engine holds (parameters + buffers), counted from the headers.
     model = llm.engine.runner.model
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    held += sum(m.gemm.nbytes for m in model.modules() if getattr(m, "gemm", None) is not None
-                and m.weight is None)     # packed weights, which replaced the unpacked ones
+    held += sum(m.impl.__self__.nbytes for m in model.modules()   # what each Linear's gemm holds
+                if isinstance(m, Linear) and m.weight is None)   # in place of its weight
     assert r.weight_bytes == held and r.params_from == "safetensors headers"
     assert r.num_params == hf_model.num_parameters()
 

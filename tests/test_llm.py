@@ -171,10 +171,35 @@ def check_bf16_against_hf(llm, model, prompts, max_tokens):
         assert margin <= logits.abs().max() * 2**-7, f"prompt of {len(p)} tokens, token {first}"
 
 
+def check_dtype_against_hf(llm, model, dtype: str, seed: int) -> None:
+    prompts, max_tokens = workload(seed=seed, n=4)
+    if dtype == "float32":
+        check_against_hf(llm, model, prompts, max_tokens)
+    else:
+        check_bf16_against_hf(llm, copy.deepcopy(model).to(torch.bfloat16), prompts, max_tokens)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "cpu-unfused"])
+def test_greedy_equals_hf_on_the_torch_reference_and_the_cpu_backend(checkpoint, dtype, backend,
+                                                                     monkeypatch):
+    """Both paths to HF's tokens: the model on the torch reference alone
+    (NANOSERVE_CPU_KERNEL=0, the code the lessons teach) and on the CPU backend, with its fused
+    step and without it (NANOSERVE_CPU_FUSION=0); float32, and bfloat16 against HF in bf16."""
+    if backend != "torch" and cpu_kernels.load() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("NANOSERVE_CPU_KERNEL", "0" if backend == "torch" else "1")
+    monkeypatch.setenv("NANOSERVE_CPU_FUSION", "0" if backend == "cpu-unfused" else "1")
+    ckpt, model = checkpoint
+    llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype)
+    assert llm.engine.runner.backend.name == ("torch" if backend == "torch" else "cpu")
+    check_dtype_against_hf(llm, model, dtype, seed=3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("path", ["torch", "onednn", "onednn-fp32", "kernel"])
 def test_greedy_equals_hf_on_every_cpu_gemm_path(checkpoint, dtype, path):
-    """Every CPU product path (linear.py), forced, gives HF's greedy tokens, in float32 and in
+    """Every CPU product path (cpu/gemm.py), forced, gives HF's greedy tokens, in float32 and in
     bfloat16 (HF run in bf16 too). A path this CPU's oneDNN cannot run falls back to torch."""
     ckpt, model = checkpoint
     if path == "onednn-fp32" and dtype == "float32":
@@ -184,11 +209,7 @@ def test_greedy_equals_hf_on_every_cpu_gemm_path(checkpoint, dtype, path):
     llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype, cpu_gemm=path)
     chosen = set(llm.engine.runner.gemm_paths.values())
     assert chosen <= {path, "torch"} and (path in chosen or dtype == "bfloat16")
-    prompts, max_tokens = workload(seed=2, n=4)
-    if dtype == "float32":
-        check_against_hf(llm, model, prompts, max_tokens)
-    else:
-        check_bf16_against_hf(llm, copy.deepcopy(model).to(torch.bfloat16), prompts, max_tokens)
+    check_dtype_against_hf(llm, model, dtype, seed=2)
 
 
 def test_checkpoint_without_tokenizer_runs_token_ids_with_skip_tokenizer_init(checkpoint, tmp_path):

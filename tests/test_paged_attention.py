@@ -1,4 +1,6 @@
-"""Oracle tests for paged_attention.py: store_kv + paged attention == dense causal SDPA.
+"""Oracle tests for paged attention: store_kv + paged attention == dense causal SDPA, for the torch
+reference (paged_attention.py: store_kv_torch, paged_attention_torch) and the CPU backend's form
+(cpu/ops.py: paged_attention_cpu, on the C kernels, and on the torch loop where they cannot run).
 
 Each case is a random mixed batch (prefills, chunked prefills with a cached prefix, decodes, GQA)
 on random, non-contiguous block tables. The reference never sees the cache: it runs
@@ -17,14 +19,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.cpu import kernels as cpu_kernels
-from nanoserve.paged_attention import (
-    AttentionMetadata,
-    paged_attention,
-    paged_attention_torch,
-    store_kv,
-    store_kv_torch,
-)
+from nanoserve.cpu import ops as cpu_ops
+from nanoserve.cpu.ops import paged_attention_cpu
+from nanoserve.paged_attention import paged_attention_torch, store_kv_torch
 
 
 def _build_step(requests, block_size, num_kv_heads, num_q_heads, head_dim, dtype, gen):
@@ -59,7 +58,6 @@ def _build_step(requests, block_size, num_kv_heads, num_q_heads, head_dim, dtype
         seq_lens=torch.tensor([nc + ql for nc, ql in requests], dtype=torch.int32),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         max_query_len=max(ql for _, ql in requests),
-        max_seq_len=max(nc + ql for nc, ql in requests),
     )
     return torch.cat(step_q), torch.cat(step_k), torch.cat(step_v), k_cache, v_cache, md, seqs
 
@@ -86,23 +84,28 @@ CASES = [
 ]
 
 
+# The reference, and the CPU form (the C kernels where this machine builds them, else the loop).
+ATTENTION = [pytest.param(paged_attention_torch, id="torch"), pytest.param(paged_attention_cpu, id="cpu")]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("requests", CASES)
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("block_size", [4, 6, 16])   # 6: not a power of two (the kernels divide)
-def test_paged_attention_matches_dense_sdpa(requests, num_q_heads, num_kv_heads, block_size):
+def test_paged_attention_matches_dense_sdpa(requests, num_q_heads, num_kv_heads, block_size, attention):
     gen = torch.Generator().manual_seed(0)
     head_dim = 16
     q, k, v, k_cache, v_cache, md, seqs = _build_step(
         requests, block_size, num_kv_heads, num_q_heads, head_dim, torch.float32, gen
     )
     scale = head_dim**-0.5
-    store_kv(k, v, k_cache, v_cache, md.slot_mapping)  # this step's tokens, then read them back
-    out = paged_attention(q, k_cache, v_cache, md, scale)
+    store_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)  # this step's tokens, then read them back
+    out = attention(q, k_cache, v_cache, md, scale)
     assert out.shape == q.shape
     torch.testing.assert_close(out, _dense_reference(seqs, scale), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", [paged_attention_torch, paged_attention], ids=["torch", "dispatch"])
+@pytest.mark.parametrize("attention", ATTENTION)
 def test_paged_attention_bfloat16(attention):
     gen = torch.Generator().manual_seed(0)
     q, k, v, k_cache, v_cache, md, seqs = _build_step(
@@ -150,13 +153,13 @@ V3 = {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 X86_LEVELS = {"cooperlake": (V4 | {"avx512_vnni", "avx512_bf16"}, 16),
               "x86-64-v4": (V4, 16), "x86-64-v3": (V3, 8), "x86-64": (set(), 4)}
-KERNEL_ORACLES = ["tests/test_paged_attention.py", "tests/test_models.py", "tests/test_decode_plan.py",
+KERNEL_ORACLES = ["tests/test_paged_attention.py", "tests/test_cpu_backend.py", "tests/test_cpu_fused.py",
                   "tests/test_sampler.py", "tests/test_llm.py"]
 
 
 @pytest.mark.parametrize("march", list(X86_LEVELS))
 def test_cpu_kernels_match_torch_as_other_x86_machines_build_them(march):
-    """The kernels' oracle tests (paged == dense, products and norms == torch, the decode plan ==
+    """The kernels' oracle tests (paged == dense, products and norms == torch, the fused step ==
     the model, argmax, greedy == HF), run again on the kernels as a machine of another x86 level
     builds them (NANOSERVE_CPU_MARCH, in a child process). This CPU runs code built for an older
     level, so the loops a machine without AMX, without AVX512-BF16, with AVX2 or with SSE2 only
@@ -185,17 +188,24 @@ def test_cpu_kernels_match_torch_as_other_x86_machines_build_them(march):
 @pytest.mark.parametrize("head_dim", [64, 128, 40, 42])
 def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, head_dim, monkeypatch):
     """SmolLM2-135M's attention shape (9 query heads on 3 KV heads, head_dim 64), long decodes
-    across many blocks beside a prefill, with and without the C kernel. head_dim 64 and 128 take
+    across many blocks beside a prefill, through the CPU form with and without the C kernels
+    (without: every request falls back to the torch loop, attend_each). head_dim 64 and 128 take
     the kernel's SIMD loops on every CPU; 40 takes them with 8 lanes (AVX2) and the plain loops
     with 16 (AVX-512); 42 (no multiple of any vector width) takes the plain loops everywhere."""
+    if use_kernel and cpu_kernels.load() is None:
+        pytest.skip("no C compiler here")
     if not use_kernel:
         monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     gen = torch.Generator().manual_seed(1)
     requests = [(199, 1), (0, 9), (64, 1), (15, 1), (33, 2), (130, 1)]
     q, k, v, k_cache, v_cache, md, seqs = _build_step(requests, 16, 3, 9, head_dim, dtype, gen)
-    store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    store_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)
     scale = head_dim**-0.5
-    out = paged_attention(q, k_cache, v_cache, md, scale)
+    torch_loop, calls = cpu_ops.attend_each, []
+    monkeypatch.setattr(cpu_ops, "attend_each", lambda *a: calls.append(list(a[-1])) or torch_loop(*a))
+    out = paged_attention_cpu(q, k_cache, v_cache, md, scale)
+    # with the kernels no request is left to the loop; without them, every one
+    assert calls == ([] if use_kernel else [[0, 2, 3, 5, 1, 4]])
     torch.testing.assert_close(out.float(), _dense_reference(seqs, scale), atol=tol, rtol=tol)
 
 
@@ -206,17 +216,15 @@ def test_cpu_decodes_at_model_shape(dtype, tol, use_kernel, head_dim, monkeypatc
 def test_cpu_prefill_kernel_matches_dense(dtype, tol, head_dim, block_size, monkeypatch):
     """The prefill kernel alone (the torch loop must not run): prompts longer than one tile of
     query lanes, chunks behind a cached prefix that crosses blocks, a 2-token chunk, GQA."""
-    import nanoserve.paged_attention as pa
-
     def no_torch_loop(*args):
         raise AssertionError("a request fell back to the torch loop")
-    monkeypatch.setattr(pa, "attend_each", no_torch_loop)
+    monkeypatch.setattr(cpu_ops, "attend_each", no_torch_loop)
     gen = torch.Generator().manual_seed(2)
     requests = [(0, 37), (21, 17), (0, 2), (100, 50), (7, 1)]
     q, k, v, k_cache, v_cache, md, seqs = _build_step(requests, block_size, 3, 9, head_dim, dtype, gen)
-    store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    store_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)
     scale = head_dim**-0.5
-    out = paged_attention(q, k_cache, v_cache, md, scale)
+    out = paged_attention_cpu(q, k_cache, v_cache, md, scale)
     torch.testing.assert_close(out.float(), _dense_reference(seqs, scale), atol=tol, rtol=tol)
 
 
@@ -231,7 +239,7 @@ def test_store_kv_worked_example():
     assert slot_mapping[9].item() == 13
     key = torch.randn(10, num_kv_heads, head_dim)
     value = torch.randn(10, num_kv_heads, head_dim)
-    store_kv(key, value, k_cache, v_cache, slot_mapping)
+    store_kv_torch(key, value, k_cache, v_cache, slot_mapping)
     for p in range(10):
         block, offset = block_table[p // block_size], p % block_size
         assert torch.equal(k_cache[block, offset], key[p])
@@ -257,7 +265,6 @@ def test_metadata_shape_errors_name_the_field(field, kwargs):
         seq_lens=torch.tensor([10, 3], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
         max_query_len=3,
-        max_seq_len=10,
     )
     AttentionMetadata(**good)
     with pytest.raises(ValueError, match=field):

@@ -7,6 +7,8 @@ On a GPU machine, TRITON_INTERPRET=0 runs the same tests against the compiled ke
 The oracle is dense causal SDPA per request over the request's full K/V sequence, built straight from the
 random per-request tensors, never read back from the paged cache. Cache slots no request owns are filled
 with NaN, so a kernel that reads a wrong slot (or one past the end of a sequence) fails loudly.
+At real head shapes (head_dim 64-128, GQA groups 1-8) the oracle is the torch reference
+(nanoserve.paged_attention) run on the same step; a step past 2^31 cache elements checks the int64 offsets.
 """
 
 import os
@@ -15,6 +17,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before triton is i
 
 import importlib
 import math
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -25,6 +29,7 @@ pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import nanoserve.cuda.paged_attention_triton as pat  # noqa: E402
+from nanoserve.paged_attention import paged_attention_torch, store_kv_torch  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -39,13 +44,16 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @dataclass
-class Metadata:  # the fields of nanoserve.paged_attention.AttentionMetadata the kernel reads
+class Metadata:  # the fields of AttentionMetadata that the kernels and the torch reference read
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     max_query_len: int
-    max_seq_len: int
+
+    @property
+    def num_reqs(self) -> int:  # read by the torch reference
+        return self.seq_lens.shape[0]
 
 
 def make_batch(query_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
@@ -74,7 +82,7 @@ def make_batch(query_lens, seq_lens, num_q_heads, num_kv_heads, head_dim, block_
     qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     md = Metadata(torch.cat(slot_mapping).to(DEVICE), block_tables.to(DEVICE),
                   torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), qsl.to(DEVICE),
-                  max(query_lens), max(seq_lens))
+                  max(query_lens))
     return torch.cat(queries).to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), md, queries, ks, vs
 
 
@@ -145,7 +153,7 @@ def test_decode_after_prefill_through_store_kv():
         slots = torch.tensor([table[0, p // bs].item() * bs + p % bs for p in range(start, end)], device=DEVICE)
         pat.store_kv_triton(k[start:end].to(DEVICE), v[start:end].to(DEVICE), k_cache, v_cache, slots)
         qsl = torch.tensor([0, end - start], dtype=torch.int32, device=DEVICE)
-        md = Metadata(slots, table, torch.tensor([end], dtype=torch.int32, device=DEVICE), qsl, end - start, end)
+        md = Metadata(slots, table, torch.tensor([end], dtype=torch.int32, device=DEVICE), qsl, end - start)
         out = pat.paged_attention_triton(q[start:end].to(DEVICE), k_cache, v_cache, md, 0.3)
         expected = dense_attention([q[start:end]], [k[:end]], [v[:end]], 0.3)
         torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
@@ -185,11 +193,87 @@ def test_bad_input_names_the_field():
         pat.store_kv_triton(query, query, k_cache, v_cache.half(), md.slot_mapping)
 
 
-def test_matches_torch_reference():
-    ref = pytest.importorskip("nanoserve.paged_attention")
-    query, k_cache, v_cache, md, *_ = make_batch([3, 1, 9], [11, 26, 9], 4, 2, 32, 16, torch.float32, seed=4)
-    ref_md = ref.AttentionMetadata(md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc,
-                                   md.max_query_len, md.max_seq_len)
-    expected = ref.paged_attention_torch(query, k_cache, v_cache, ref_md, 0.25)
-    out = pat.paged_attention_triton(query, k_cache, v_cache, ref_md, 0.25)
+# Real models' head shapes: head_dim 64 (SmolLM2, Llama-3.2-1B), 80 (Phi-2), 96 (Phi-3-mini), 128
+# (Llama-3-8B, Mistral, Qwen2.5); GQA groups 1 (multi-head), 4 (Llama-3-8B), 8 (Llama-3-70B). Two kv
+# heads and a few dozen tokens keep each case well under a second in the interpreter.
+STEPS = {  # name: (query_lens, seq_lens), block_size 16
+    "decode": ([1, 1, 1], [1, 17, 45]),
+    "chunked_prefill": ([7, 1, 13], [38, 9, 13]),  # a chunk after a cached prefix, a decode, a first chunk
+}
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_real_shapes_match_torch_reference(head_dim, group, step):
+    """One engine step: store the step's K/V, then attend. Both caches and the output equal what
+    the torch reference (nanoserve.paged_attention) makes of the same step."""
+    query_lens, seq_lens = STEPS[step]
+    query, k_cache, v_cache, md, _, ks, vs = make_batch(query_lens, seq_lens, 2 * group, 2, head_dim, 16,
+                                                        torch.float32, seed=head_dim + group)
+    new_k, new_v = (torch.cat([t[s - q:] for t, q, s in zip(ts, query_lens, seq_lens)]).to(DEVICE)
+                    for ts in (ks, vs))
+    for cache in (k_cache, v_cache):  # the step's own slots start empty: only the store fills them
+        cache.view(-1, 2, head_dim)[md.slot_mapping] = float("nan")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    pat.store_kv_triton(new_k, new_v, k_cache, v_cache, md.slot_mapping)
+    store_kv_torch(new_k, new_v, ref_k, ref_v, md.slot_mapping)
+    torch.testing.assert_close(k_cache, ref_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v, atol=0, rtol=0, equal_nan=True)
+    out = pat.paged_attention_triton(query, k_cache, v_cache, md, head_dim**-0.5)
+    expected = paged_attention_torch(query, ref_k, ref_v, md, head_dim**-0.5)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def attend_past_int32() -> None:
+    """A step whose blocks sit past 2^31 elements of a float16 cache (4 GiB, of which only the
+    touched pages are ever real on CPU): store, attend, compare. Offsets computed in int32 wrap
+    there to an address 4 GiB below the cache: a crash or garbage."""
+    bs, hkv, hq, d = 16, 2, 8, 128
+    num_blocks = 2**31 // (bs * hkv * d) + 8
+    cache = torch.empty(num_blocks, bs, hkv, d, dtype=torch.float16, device=DEVICE)
+    # One tensor serves as both caches (8 GiB would be two): V's store overwrites K's, so K == V.
+    tables = [[num_blocks - 1, 3, num_blocks - 6, num_blocks - 3], [num_blocks - 2, 0, 0, 0]]
+    query_lens, seq_lens = [7, 1], [50, 17]
+    g = torch.Generator().manual_seed(5)
+    values = [torch.randn(s, hkv, d, generator=g).half() for s in seq_lens]
+    queries = [torch.randn(q, hq, d, generator=g).half() for q in query_lens]
+    slots = [torch.tensor([t[p // bs] * bs + p % bs for p in range(s)]) for t, s in zip(tables, seq_lens)]
+    everything = torch.cat(values).to(DEVICE)
+    pat.store_kv_triton(everything, everything, cache, cache, torch.cat(slots).to(DEVICE))
+    md = Metadata(torch.cat([sl[s - q:] for sl, q, s in zip(slots, query_lens, seq_lens)]).to(DEVICE),
+                  torch.tensor(tables, dtype=torch.int32, device=DEVICE),
+                  torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                  torch.tensor([0, 7, 8], dtype=torch.int32, device=DEVICE), 7)
+    out = pat.paged_attention_triton(torch.cat(queries).to(DEVICE), cache, cache, md, d**-0.5)
+    expected = dense_attention(queries, values, values, d**-0.5)
+    torch.testing.assert_close(out.cpu().float(), expected, atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
+def test_offsets_past_int32():
+    # In a child process: a wild read kills it (SIGSEGV on CPU, a CUDA fault on a GPU), not pytest.
+    child = subprocess.run([sys.executable, "-c", f"import {__name__} as t; t.attend_past_int32()"],
+                           cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, f"the step past 2^31 cache elements failed ({child.returncode}):\n{child.stderr}"
+
+
+def test_compile_kernels_runs_every_variant():
+    for head_dim, group in ((64, 1), (80, 8)):
+        pat.compile_kernels(2 * group, 2, head_dim, 16, torch.float32, torch.device(DEVICE))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        pat.compile_kernels(6, 4, 64, 16, torch.float32, torch.device(DEVICE))
+    with pytest.raises(ValueError, match="block_size"):
+        pat.compile_kernels(4, 2, 64, 0, torch.float32, torch.device(DEVICE))
+
+
+@pytest.mark.skipif(INTERPRET, reason="compiles happen on GPUs only")
+def test_compile_kernels_leaves_no_compile_to_serving():
+    pat.compile_kernels(8, 2, 128, 16, torch.bfloat16, torch.device(DEVICE))
+    compiled = sum(len(k.device_caches[torch.cuda.current_device()][0])
+                   for k in (pat._store_kv_kernel, pat._unified_attention_kernel))
+    # make_batch's tables are one block wider than the longest sequence: 2, 16, 4 and 22 wide here.
+    for query_lens, seq_lens in (([1], [5]), ([1, 1], [20, 240]), ([3, 1], [40, 17]), ([9], [9 + 16 * 20])):
+        query, k_cache, v_cache, md, *_ = make_batch(query_lens, seq_lens, 8, 2, 128, 16, torch.bfloat16)
+        pat.paged_attention_triton(query, k_cache, v_cache, md, 0.1)
+    assert compiled == sum(len(k.device_caches[torch.cuda.current_device()][0])
+                           for k in (pat._store_kv_kernel, pat._unified_attention_kernel))

@@ -353,11 +353,12 @@ def test_bad_input_names_the_field():
     p = SamplingParams()
     with pytest.raises(ValueError, match="output_token_ids"):
         SamplingMetadata.from_requests([p], [[]], [], [None], None, V, "cpu")
-    with pytest.raises(ValueError, match="stop_token_ids"):
-        metadata([SamplingParams(stop_token_ids=[V])])
     with pytest.raises(ValueError, match="eos_token_id"):
         metadata([p], eos=V)
-    with pytest.raises(ValueError, match="logprobs"):
+    # Parameter values are Processor's and SamplingParams' to refuse: here, a bug is asserted.
+    with pytest.raises(AssertionError, match="stop_token_ids"):
+        metadata([SamplingParams(stop_token_ids=[V])])
+    with pytest.raises(AssertionError, match="logprobs"):
         metadata([SamplingParams(logprobs=V + 1)])
     with pytest.raises(ValueError, match="generators"):
         metadata([SamplingParams(seed=1)])

@@ -1,29 +1,24 @@
-"""cpu_kernels.py: nanoserve's small C kernels for the CPU (csrc/): build, load, call.
+"""kernels.py: the CPU backend's small C kernels (csrc/): build, load, call.
 
 Each does in one pass over memory what torch does in several, and each is tested against the torch
-code it replaces (which stays the fallback, and the only path on CUDA):
+reference it replaces (layers.py, paged_attention.py):
     decode_attention.c   decode tokens (one new token per request), reading K/V in place through
-                         the block tables: memory-bound, so reading the cache once is the point (the
-                         torch path gathers each request's blocks into a copy for SDPA). On the bench
-                         model (float32, 2 cores, Zen 3) a 64-request decode step spent 196 of its
-                         305 ms in torch attention; with the kernel, 45 of 158 ms.
+                         the block tables: decode is memory-bound, so reading the cache once is the
+                         point (the torch reference gathers each request's blocks into a copy).
     prefill_attention.c  every other request (prefill, chunked prefill, prefix hit): compute-bound,
                          a flash-attention loop with the query tokens in the vector lanes; on a
-                         CPU with AMX (bf16), its two products in AMX tiles (~2.2x faster).
+                         CPU with AMX (bf16), its two products in AMX tiles.
     rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings (gemm.c
-                         runs the same row loop on the rows it multiplies: Linear's `norm`).
+                         runs the same row loop on the rows it multiplies: the fused step's norm).
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
-    silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads (on
-                         paths other than gemm.c's, which applies it to its gate_up tiles).
+    silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads.
     argmax.c             each row's argmax (greedy sampling), float32 or bf16 logits, vectorised,
-                         where torch's goes one float at a time (64 rows of 49k logits, Zen 4:
-                         ~0.25 ms against ~2.7).
-    gemm.c               a Linear's product on its weight packed once: one of the paths
-                         models/linear.py times at start-up (its `kernel`), where decode's 1-64
-                         rows run 1.1-1.6x faster than oneDNN's on Zen 4; for the MLP's gate_up,
-                         silu(gate) * up in the same pass (gate_up is never stored). With AMX, also
-                         a bf16 product on the weight as it is (linear.py's `amx`): decode rows at
-                         ~1.2-1.5x oneDNN's speed on Sapphire Rapids (cold weights).
+                         where torch's goes one float at a time.
+    gemm.c               a Linear's product on its weight packed once (cpu/gemm.py's `kernel`
+                         path); for the MLP's gate_up, optionally silu(gate) * up in the same pass.
+                         With AMX, also a bf16 product on the weight as it is (the `amx` path).
+
+What each was measured to gain, and on which CPU: scripts/results/README.md.
 
 The kernels are compiled on first use with the system C compiler (`$CC`, else `cc`), with
 -march=native for this machine's vector units and OpenMP for its cores, into a cache directory
@@ -35,7 +30,7 @@ NANOSERVE_CPU_MARCH=x86-64-v3 (any -march) builds them as for another machine (h
     from nanoserve.cpu.kernels import load
     kernels = load()         # the ctypes library (.decode_attention, .rms_norm, ...), or None
 
-Tests: pytest -q tests/test_paged_attention.py tests/test_models.py   (against the torch code)
+Tests: pytest -q tests/test_cpu_backend.py   (against the torch reference)
 """
 
 from __future__ import annotations
@@ -146,7 +141,7 @@ def _takes(*tensors: Tensor) -> bool:
 def attention_kernel(name: str, query: Tensor, out: Tensor, k_cache: Tensor, v_cache: Tensor,
                      requests, scale: float) -> bool:
     """Run kernel `name` ("decode_attention" or "prefill_attention") for `requests` (a
-    paged_attention.RequestGroup: contiguous int32 tensors) into `out`. Returns False when the
+    cpu/ops.py's RequestGroup: contiguous int32 tensors) into `out`. Returns False when the
     kernels are unavailable, the tensors are outside what they support, or a kernel ran out of
     memory; the caller then uses the torch path for those requests."""
     kernels = load()
@@ -222,10 +217,12 @@ def argmax(x: Tensor) -> Tensor:
     return out
 
 
-def gemm_pack(weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False) -> tuple[Tensor, Tensor]:
+def gemm_pack(weight: Tensor, bias: Optional[Tensor],
+              silu_and_mul: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """gemm.c's packing of a float32 or bf16 weight [out, in] into panels, with the bias (or
-    zeros) in float32 padded to whole panels: what `gemm` multiplies by. RuntimeError where the
-    kernels cannot run here (models/linear.py then keeps another path).
+    zeros) in float32 padded to whole panels: what `gemm` multiplies by; and the row order, the
+    weight row each packed row holds (out: a zero row). RuntimeError where the kernels cannot
+    run here (cpu/gemm.py then keeps another path).
     silu_and_mul: the weight is gate_up's ([gate; up], as `silu_and_mul` takes its product), and
     its rows are reordered so that each panel holds width / 2 gate rows and the same rows of up
     (zero rows past the end): a tile then has both factors of silu(gate) * up in its sums.
@@ -234,9 +231,9 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False
     kernels, weight = load(), weight.contiguous()
     if kernels is None or weight.dim() != 2 or not _takes(weight):
         raise RuntimeError("the C GEMM needs the CPU kernels and a float32 or bf16 weight")
-    width = kernels.gemm_panel_width()
+    width, row_order = kernels.gemm_panel_width(), torch.arange(weight.shape[0])
     if silu_and_mul:
-        weight, bias = _gate_up_panels(weight, bias, width)
+        weight, bias, row_order = _gate_up_panels(weight, bias, width)
     (n, k), bf16 = weight.shape, weight.dtype == torch.bfloat16
     columns = -(-n // width) * width
     packed = weight.new_empty(columns * (k + k % 2 if bf16 else k))
@@ -244,10 +241,10 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False
     padded_bias = torch.zeros(columns)
     if bias is not None:
         padded_bias[:n] = bias.detach().float()
-    return packed, padded_bias
+    return packed, padded_bias, row_order
 
 
-def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple[Tensor, Optional[Tensor]]:
+def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple[Tensor, Optional[Tensor], Tensor]:
     """gate_up's rows in gemm_pack's silu_and_mul order: per panel of `width` rows (three vectors
     of L = width / 3 lanes), gate rows [0, L), up rows [0, L), gate rows [L, 3L/2), up rows
     [L, 3L/2), counted from the panel's first column (panel p: p * width / 2); a row index past
@@ -260,7 +257,7 @@ def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple
     columns = torch.arange(-(-intermediate // (width // 2)))[:, None] * (width // 2) + offset
     order = torch.where(columns < intermediate, columns + is_up * intermediate, 2 * intermediate).flatten()
     weight = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])[order]
-    return weight, None if bias is None else torch.cat([bias.detach(), bias.new_zeros(1)])[order]
+    return weight, None if bias is None else torch.cat([bias.detach(), bias.new_zeros(1)])[order], order
 
 
 def _as_rows(x: Tensor) -> Tensor:

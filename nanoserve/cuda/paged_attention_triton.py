@@ -6,6 +6,9 @@ Two kernels, one launch each per layer per step:
   paged_attention_triton ONE "unified" kernel for the whole mixed batch: prefill chunks (with or without
                          a prefix already in the cache) and decode rows, read through block tables.
 
+and `compile_kernels`, which the CUDA backend (cuda/backend.py) calls once at load so that no step
+waits on a compile.
+
 Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], and
 slot = block_id * block_size + offset. Worked example with block_size 4 and block_table [7, 1, 3]:
 position 9 is logical block 9 // 4 = 2 -> physical block 3, offset 9 % 4 = 1 -> slot 3 * 4 + 1 = 13.
@@ -25,14 +28,16 @@ triton), which is how tests/test_paged_attention_triton.py checks it against den
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:  # type only: paged_attention.py may import this module, so avoid a cycle
-    from nanoserve.paged_attention import AttentionMetadata
+if TYPE_CHECKING:  # type only: the kernels read its tensors, nothing else of it
+    from nanoserve.attention_metadata import AttentionMetadata
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -49,9 +54,9 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,  # fixed per model
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,  # the above rounded up to powers of two
 ):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)  # int64
-    if slot < 0:  # padding token (e.g. CUDA-graph padding): nothing to store
+    token = tl.program_id(0).to(tl.int64)  # token * stride_kt in int64, like every offset below
+    slot = tl.load(slot_mapping_ptr + token)  # int64: block_id * stride_cb too
+    if slot < 0:  # no slot for this token: nothing to store
         return
     block_id = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -89,6 +94,52 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
 
 
 @triton.jit
+def _cache_offsets(block_id, k_pos, stride_b, stride_o, BLOCK_SIZE: tl.constexpr):
+    """Element offsets of key positions k_pos in a cache, in int64: block_id * stride_b passes 2^31 in
+    a cache of more than 2^31 elements (4 GiB of bf16: a big GPU's pool over a model of few layers)."""
+    return block_id.to(tl.int64) * stride_b + (k_pos % BLOCK_SIZE) * stride_o
+
+
+@triton.jit
+def _attend_over_cache(
+    q, q_pos, kv_end, req, kv_head, d, d_valid, scale,
+    k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
+    stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
+    BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Online softmax of the q tile's rows over keys [0, kv_end), TILE_N at a time, in fp32:
+    returns (sum of p * V, sum of p) per row."""
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the scores
+    l_i = tl.zeros([ROWS], tl.float32)  # running softmax denominator
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    n = tl.arange(0, TILE_N)
+    for tile_start in range(0, kv_end, TILE_N):
+        k_pos = tile_start + n
+        k_valid = k_pos < kv_end
+        # Each key finds its own physical block, so a tile may straddle cache blocks.
+        block_id = tl.load(block_tables_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+        k_offs = (_cache_offsets(block_id, k_pos, stride_kb, stride_ko, BLOCK_SIZE)[None, :]
+                  + kv_head * stride_kh + d[:, None] * stride_kd)
+        k = tl.load(k_cache_ptr + k_offs, mask=k_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
+        v_offs = (_cache_offsets(block_id, k_pos, stride_vb, stride_vo, BLOCK_SIZE)[:, None]
+                  + kv_head * stride_vh + d[None, :] * stride_vd)
+        v = tl.load(v_cache_ptr + v_offs, mask=k_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
+
+        # "ieee" keeps float32 exact on GPUs (the default would round to tf32); ignored for fp16/bf16.
+        s = tl.dot(q, k, input_precision="ieee") * scale
+        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
+        # Key position 0 is visible to every row, so after the first tile m_new is finite and
+        # exp(-inf - finite) = 0 never produces NaN.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, l_i
+
+
+@triton.jit
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -114,57 +165,28 @@ def _unified_attention_kernel(
     # The grid is sized for the longest query in the batch; shorter requests' extra tiles exit here.
     if q_tile * BLOCK_Q >= query_len:
         return
-    seq_len = tl.load(seq_lens_ptr + req)
-    context_len = seq_len - query_len  # tokens that were already in the cache before this step
+    context_len = tl.load(seq_lens_ptr + req) - query_len  # tokens cached before this step
 
     # Row m of the tile = query token q_tile * BLOCK_Q + m // G_PAD, q head kv_head * G + m % G_PAD.
     m = tl.arange(0, BLOCK_Q * G_PAD)
     q_idx = q_tile * BLOCK_Q + m // G_PAD
     q_head = kv_head * NUM_QUERIES_PER_KV + m % G_PAD
-    row_valid = (q_idx < query_len) & (m % G_PAD < NUM_QUERIES_PER_KV)
-    q_pos = context_len + q_idx  # absolute position of each row's token in its sequence
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
+    mask = ((q_idx < query_len) & (m % G_PAD < NUM_QUERIES_PER_KV))[:, None] & d_valid[None, :]
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + (token * stride_qt + q_head * stride_qh)[:, None] + d[None, :] * stride_qd,
+                mask=mask, other=0.0)
 
-    q_offs = ((q_start + q_idx).to(tl.int64) * stride_qt + q_head * stride_qh)[:, None] + d[None, :] * stride_qd
-    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-
-    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), tl.float32)  # running max of the scores
-    l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)  # running softmax denominator
-    acc = tl.zeros([BLOCK_Q * G_PAD, BLOCK_D], tl.float32)
-
-    # Causal: the last token of this tile sees keys up to its own position, nothing beyond.
+    # Causal: query j sits at position context_len + j; the tile's last token sees keys up to its own.
     kv_end = context_len + tl.minimum(query_len, (q_tile + 1) * BLOCK_Q)
-    n = tl.arange(0, TILE_N)
-    for tile_start in range(0, kv_end, TILE_N):
-        k_pos = tile_start + n
-        k_valid = k_pos < kv_end
-        # Each key finds its own physical block, so a tile may straddle cache blocks.
-        block_id = tl.load(block_tables_ptr + req * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
-        slot_offs = block_id.to(tl.int64) * stride_kb + (k_pos % BLOCK_SIZE) * stride_ko
-        k_offs = slot_offs[None, :] + kv_head * stride_kh + d[:, None] * stride_kd
-        k = tl.load(k_cache_ptr + k_offs, mask=k_valid[None, :] & d_valid[:, None], other=0.0)  # [D, N]
-        slot_offs_v = block_id.to(tl.int64) * stride_vb + (k_pos % BLOCK_SIZE) * stride_vo
-        v_offs = slot_offs_v[:, None] + kv_head * stride_vh + d[None, :] * stride_vd
-        v = tl.load(v_cache_ptr + v_offs, mask=k_valid[:, None] & d_valid[None, :], other=0.0)  # [N, D]
-
-        # "ieee" keeps float32 exact on GPUs (the default would round to tf32); ignored for fp16/bf16.
-        s = tl.dot(q, k, input_precision="ieee") * scale
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
-
-        # Online softmax. Key position 0 is visible to every row, so after the first tile m_new is finite
-        # and exp(-inf - finite) = 0 never produces NaN.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
-
-    out = acc / l_i[:, None]
-    o_offs = ((q_start + q_idx).to(tl.int64) * stride_ot + q_head * stride_oh)[:, None] + d[None, :] * stride_od
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    acc, l_i = _attend_over_cache(
+        q, context_len + q_idx, kv_end, req, kv_head, d, d_valid, scale,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
+        stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
+        BLOCK_SIZE, BLOCK_Q * G_PAD, TILE_N, BLOCK_D)
+    o_offs = (token * stride_ot + q_head * stride_oh)[:, None] + d[None, :] * stride_od
+    tl.store(out_ptr + o_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -218,6 +240,39 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         num_warps=4 if block_m * block_d <= 64 * 64 else 8,
     )
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# warm-up: compile at start-up, not in the middle of serving
+
+
+def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """Run every variant of both kernels that serving meets once, on tiny inputs of the model's
+    shapes (this rank's head counts under tensor parallel), so that Triton compiles each at
+    start-up instead of stalling a step 1-2 s. Triton compiles one kernel per set of constexprs
+    (here BLOCK_Q: a pure-decode step or not) and per integer argument that is 1, a multiple of
+    16, or neither; the one that changes between steps is the block-table row stride, which is the
+    longest table of the step."""
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("block_size", block_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer (got {value!r})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
+    k_cache, v_cache = zeros(2, block_size, num_kv_heads, head_dim), zeros(2, block_size, num_kv_heads, head_dim)
+    # The model's layout: k leaves RoPE contiguous, v is a slice of the fused qkv projection.
+    qkv = zeros(2, num_heads + 2 * num_kv_heads, head_dim)
+    store_kv_triton(zeros(2, num_kv_heads, head_dim), qkv[:, num_heads + num_kv_heads:], k_cache, v_cache,
+                    torch.arange(2, device=device))
+    query = zeros(2, num_heads, head_dim)
+    ints = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    for width in (1, 2, 16):  # block-table row stride: 1, neither, a multiple of 16
+        for query_len in (1, min(2, width * block_size)):  # a pure-decode step, then a mixed one
+            step = SimpleNamespace(block_tables=ints([[0] * width]), seq_lens=ints([query_len]),
+                                   query_start_loc=ints([0, query_len]), max_query_len=query_len)
+            paged_attention_triton(query[:query_len], k_cache, v_cache, step, head_dim**-0.5)
 
 
 # ----------------------------------------------------------------------------------------------------

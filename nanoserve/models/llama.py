@@ -10,10 +10,19 @@ These models differ only in a few switches, all read from the HF config:
 
 The input is ONE flat batch of every token scheduled this step (no batch dim, no padding), with
 `positions` for RoPE and an `AttentionMetadata` that says where each token's K/V goes and what it
-attends to (see paged_attention.py). Every product, the LM head included, is a `Linear`
-(linear.py: on CPU it runs the path measured fastest on this machine at start-up). For speed
-q/k/v is one Linear and gate/up is one Linear; `load_weights` takes HF checkpoint names and fills
-the fused matrices:
+attends to (see attention_metadata.py). The model is plain torch: it calls the ops of layers.py
+(Linear, RMSNorm, SiluAndMul, RopeStoreKV, Attention), whose torch reference runs unless a
+backend chose its own form at load, and it knows nothing of any backend. A layer reads
+norm -> attention -> norm -> MLP:
+
+    hidden, residual = input_layernorm(hidden, residual)            residual += hidden, normalised
+    q, k, v = qkv_proj(hidden)                                      then RoPE; k, v into the cache
+    hidden = o_proj(attn(q, kv_cache))
+    hidden, residual = post_attention_layernorm(hidden, residual)
+    hidden = down_proj(silu(gate) * up)                             gate, up = gate_up_proj(hidden)
+
+For speed q/k/v is one Linear and gate/up is one Linear; `load_weights` takes HF checkpoint names
+and fills the fused matrices:
 
     model.layers.0.self_attn.k_proj.weight  ->  rows [q_size, q_size + kv_size) of qkv_proj.weight
     model.layers.0.mlp.up_proj.weight       ->  rows [intermediate, 2 * intermediate) of gate_up_proj
@@ -36,37 +45,20 @@ from typing import Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from nanoserve.cpu import kernels as cpu_kernels
+from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.distributed import SINGLE, TensorParallel
-from nanoserve.models.linear import Linear
-from nanoserve.paged_attention import AttentionMetadata, paged_attention, store_kv
-
-
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm. Given a `residual`, it first adds x to it in place (vLLM's
-    fused_add_rms_norm: the residual stream is updated, then normalised) and returns
-    (normalised, residual)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor, residual: Optional[Tensor] = None):
-        out = cpu_kernels.rms_norm(x, residual, self.weight, self.eps)   # one C pass; None if not here
-        if out is None:
-            if residual is not None:
-                x = residual.add_(x)
-            # Normalise in float32 (bf16 squares lose too much), scale in the model dtype, as HF does.
-            x32 = x.float()
-            x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-            out = self.weight * x32.to(x.dtype)
-        return out if residual is None else (out, residual)
+from nanoserve.layers import Attention, Linear, RMSNorm, RopeStoreKV, SiluAndMul
 
 
 def head_dim_of(cfg) -> int:
-    # Qwen3 sets head_dim explicitly (and num_heads * head_dim may differ from hidden_size).
+    """Each attention head's width. Qwen3 sets head_dim explicitly (and num_heads * head_dim may
+    differ from hidden_size)."""
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def num_kv_heads_of(cfg) -> int:
+    """K/V heads (GQA); a config without num_key_value_heads has one per attention head."""
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 def shard_for_tp(hf_config, tp: int):
@@ -77,7 +69,7 @@ def shard_for_tp(hf_config, tp: int):
     if tp == 1:
         return hf_config
     heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    kv_heads = num_kv_heads_of(hf_config)
     if heads % tp or (kv_heads % tp and tp % kv_heads) or hf_config.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads ({heads}) "
                          f"and intermediate_size ({hf_config.intermediate_size}), and divide, or "
@@ -131,9 +123,8 @@ def rope_inv_freq(head_dim: int, params: dict) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE by table lookup: cos/sin for every position up to max_position_embeddings are
-    computed once, so a step only indexes them with its (arbitrary, per-token) positions, once
-    for all layers."""
+    """RoPE's table: cos/sin for every position up to max_position_embeddings, computed once, so a
+    step only indexes them with its (arbitrary, per-token) positions, once for all layers."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -148,23 +139,15 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions][:, None, :].to(dtype), self.sin[positions][:, None, :].to(dtype)
 
 
-def apply_rope(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
-    """Rotate x [num_tokens, heads, head_dim]; HF's layout pairs dim i with dim i + head_dim / 2."""
-    cos, sin = rope
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
         self.tp = tp
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_kv_heads = num_kv_heads_of(cfg)
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
         # Qwen2 always has q/k/v biases and no o_proj bias; its config has no switch for it.
         # Llama and Qwen3 read `attention_bias`, which covers all four projections.
         if cfg.model_type == "qwen2":
@@ -178,28 +161,21 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rope_store_kv = RopeStoreKV()
+        self.attn = Attention(scale=self.head_dim**-0.5)
 
-    def forward(self, rope, hidden, kv_cache: tuple[Tensor, Tensor], attn_metadata, norm=None,
-                residual=None) -> Tensor:
-        """norm, residual: applied to hidden first, inside qkv_proj (Linear's `norm`)."""
-        n, k_cache, v_cache = hidden.shape[0], *kv_cache
-        qkv = self.qkv_proj(hidden, norm, residual)
-        # On CPU one C pass does the rest up to attention (RoPE, store_kv); Qwen3's q/k norms go first.
-        q = None if self.qk_norm else cpu_kernels.rope_store_kv(
-            qkv, rope, attn_metadata.slot_mapping, k_cache, v_cache, self.num_heads)
-        if q is None:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(n, self.num_heads, self.head_dim)
-            k = k.view(n, self.num_kv_heads, self.head_dim)
-            v = v.view(n, self.num_kv_heads, self.head_dim)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-            store_kv(k, v, k_cache, v_cache, attn_metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, attn_metadata, self.scale)
-        out = self.o_proj(out.view(n, self.q_size))
+    def forward(self, rope, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
+                attn_metadata: AttentionMetadata) -> Tensor:
+        n = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:   # Qwen3: RMSNorm over each head of q and k, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self.rope_store_kv(rope, q, k, v, kv_cache, attn_metadata.slot_mapping)
+        out = self.o_proj(self.attn(q, kv_cache, attn_metadata).view(n, self.q_size))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
-    __call__ = forward   # without nn.Module's hook checks: see Linear.__call__
 
 
 class LlamaMLP(nn.Module):
@@ -209,15 +185,13 @@ class LlamaMLP(nn.Module):
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama family uses 'silu')")
         bias = getattr(cfg, "mlp_bias", False)
-        # Returns silu(gate) * up, not gate_up: the C GEMM applies it to its tiles (linear.py).
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, silu_and_mul=True)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias and tp.rank == 0)
+        self.act_fn = SiluAndMul()
 
-    def forward(self, x: Tensor, norm=None, residual=None) -> Tensor:
-        """norm, residual: applied to x first, inside gate_up_proj (Linear's `norm`)."""
-        out = self.down_proj(self.gate_up_proj(x, norm, residual))
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.down_proj(self.act_fn(self.gate_up_proj(x)))
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
-    __call__ = forward   # without nn.Module's hook checks: see Linear.__call__
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -228,23 +202,26 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp)
 
-    def forward(self, rope, hidden, residual, kv_cache, attn_metadata) -> tuple[Tensor, Tensor]:
+    def forward(self, rope, hidden: Tensor, residual: Optional[Tensor], kv_cache,
+                attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
         """vLLM's layout of the residual stream: `hidden` is the previous layer's MLP output and
-        `residual` the sum before it (None in layer 0, whose input is the embedding), so each norm
-        also does the add before it, in place: (this layer's MLP output, the residual before it).
-        Each norm runs inside the product after it (qkv_proj, gate_up_proj: Linear's `norm`),
-        which on the C GEMM path never stores the normalised rows."""
-        out = self.self_attn(rope, hidden, kv_cache, attn_metadata, self.input_layernorm, residual)
-        residual = hidden if residual is None else residual   # now the sum, either way
-        return self.mlp(out, self.post_attention_layernorm, residual), residual
-    __call__ = forward   # without nn.Module's hook checks: see Linear.__call__
+        `residual` the sum before it (None in layer 0, whose input is the embedding), so each
+        norm also does the add before it. Returns (this layer's MLP output, the residual)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg, tp: TensorParallel):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, rope_parameters(cfg))
+        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings,
+                                          rope_parameters(cfg))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -265,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # HF masks attention beyond `sliding_window` tokens back (Mistral v0.1, Qwen with
         # use_sliding_window); paged attention does not, so outputs are exact only for sequences
-        # up to this length. The worker caps max_model_len with it; None means no window.
+        # up to this length. The model runner caps max_model_len with it; None means no window.
         layer_types = getattr(hf_config, "layer_types", None)
         sliding = layer_types is None or "sliding_attention" in layer_types
         self.sliding_window: int | None = getattr(hf_config, "sliding_window", None) if sliding else None
@@ -283,10 +260,11 @@ class LlamaForCausalLM(nn.Module):
                 f"kv_caches has {len(kv_caches)} entries, the model {len(self.model.layers)} layers"
             )
         hidden, residual = self.embed(input_ids), None
-        rope = self.model.rotary(positions, hidden.dtype)
+        rope = self.model.rotary_emb(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
-        return self.model.norm(hidden, residual)[0]
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """Vocab-parallel under TP: a rank looks up the ids in its slice, zeros the others, and
@@ -297,14 +275,6 @@ class LlamaForCausalLM(nn.Module):
         outside = (input_ids < start) | (input_ids >= end)
         hidden = self.model.embed_tokens((input_ids - start).masked_fill_(outside, 0))
         return self.tp.all_reduce(hidden.masked_fill_(outside[:, None], 0))
-
-    def linears(self, max_num_batched_tokens: int, max_num_seqs: int):
-        """(Linear, row counts it multiplies) for every product: the layers see up to a step's
-        token budget, the LM head only the rows that sample. `choose_cpu_gemms` times these."""
-        def rows(most: int) -> list[int]:
-            return [m for m in (1, 8, 64, 512) if m <= most] or [most]
-        return [(m, rows(max_num_seqs) if m is self.lm_head else rows(max_num_batched_tokens))
-                for m in self.modules() if isinstance(m, Linear)]
 
     def compute_logits(self, hidden: Tensor) -> Optional[Tensor]:
         """hidden [n, hidden_size] (only the rows to sample) -> logits [n, vocab_size] in the model's
@@ -334,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         q, kv, mlp = attn.q_size, attn.kv_size, self.shard_config.intermediate_size
         # KV heads: rank r reads from head r * kv_heads // tp; with fewer heads than ranks
         # that rounds down, so tp / kv_heads neighbouring ranks read (replicate) the same head.
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        kv_heads = num_kv_heads_of(cfg)
         kv_first = tp.rank * kv_heads // tp.size * attn.head_dim
         fused = {  # our fused module -> the HF modules stacked in it, in row order: (name, our
             # rows, first row of this rank's part, rows of the checkpoint's matrix)

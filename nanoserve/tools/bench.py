@@ -9,7 +9,7 @@ The default workload (the one scripts/bench_offline.py and scripts/compare_vllm.
 random token ids (seed 0), greedy, ignore_eos, on random weights with SmolLM2-135M's shape.
 It prints output tokens/s, the mean batch size, where each step's time went, and the
 model's useful FLOP/s as a fraction of this machine's matmul peak, measured in the same
-run with the same dtype, threads and GEMM path (the one models/linear.py chose at start-up, on
+run with the same dtype, threads and GEMM path (the one cpu/gemm.py chose at start-up, on
 the model's own layer shapes): the fraction says how much speed is left to find.
 """
 
@@ -82,11 +82,11 @@ def useful_flops(hf_config, prompts, output_lens) -> float:
 def matmul_peak(runner) -> tuple[float, str]:
     """(FLOP/s, path): the best sustained rate of 512-row products over the model's own layer
     shapes (this rank's, under tensor parallel), along the path its layers use most (chosen per
-    shape at start-up on CPU, linear.py; F.linear, i.e. cuBLAS, on CUDA). The LM head is left
+    shape at start-up on CPU, cpu/gemm.py; F.linear, i.e. cuBLAS, on CUDA). The LM head is left
     out: it only ever multiplies the rows that sample."""
     from collections import Counter
 
-    from nanoserve.models.linear import gemm_peak
+    from nanoserve.cpu.gemm import gemm_peak
     path = Counter(runner.gemm_paths.values()).most_common(1)[0][0]
     shapes = {tuple(map(int, label.split()[0].split("x"))) for label in runner.gemm_paths}
     head_rows = -(-runner.vocab_size // runner.config.tensor_parallel_size)

@@ -1,0 +1,297 @@
+"""gemm.py: the CPU backend's products: how each Linear of the model multiplies on this machine.
+
+Linear (layers.py) is y = x @ W.T + b, and its torch reference is F.linear. On a CPU the fastest way
+to multiply depends on the processor, and the differences are large: oneDNN on a weight packed once
+can run 2-3x faster than MKL (F.linear) for a decode step's few rows; bf16 is much faster than fp32
+on a CPU with AVX512-BF16 and much SLOWER without it, where oneDNN refuses bf16 altogether
+(scripts/results/README.md has the figures, with the CPU each was measured on). A rule tuned on one
+CPU is wrong on another.
+
+So no rule is hard-coded. At start-up `choose_cpu_gemms` times the candidate paths on the
+model's real shapes and row counts, on this machine, and gives each Linear the fastest:
+
+    torch          F.linear in the model dtype (MKL, or oneDNN inside torch for bf16)
+    onednn         the weight packed once for oneDNN (torch.ops.mkldnn, as vLLM's CPU build
+                   does), the product in the model dtype; bf16 only where oneDNN supports it
+    onednn-fp32    for a bf16/fp16 model: the weight packed once in float32, the rows widened
+                   on the fly. The same numbers as a bf16 product (bf16 x bf16 is exact in
+                   float32, both sum in float32), at float32's speed, for float32's memory.
+    kernel         nanoserve's own C product (csrc/gemm.c, built with the other CPU kernels) on
+                   the weight packed once into its panels, float32 or bf16. A library's small-row
+                   products can be far from the peak: on a Zen 4, 1 to 64 rows ran 1.1-1.6x
+                   faster here than in oneDNN, and both ran at the peak from 256 rows.
+    amx            bf16 on a CPU with AMX: the weight kept as it is. Up to a row count measured
+                   at start-up (`amx_loop_rows`) gemm.c's AMX loop, which streams the weight at
+                   near memory speed (a decode step's 1-64 rows), above it F.linear on the same
+                   tensor (prefill). One copy of the weight serves both. The loop ends gate_up in
+                   silu(gate) * up itself, as the kernel path does.
+
+Each path is a `Gemm` with two forms of its product: `product(x)`, the Linear op's (what
+layers.Linear.forward_native computes), and `gemm(x, norm, residual)`, the fused step's
+(cpu/fused.py): the product of RMSNorm(x + residual) where a norm is given, ending in
+silu(gate) * up for a gate_up built with `silu_and_mul`. gemm.c (the `kernel` and `amx` paths)
+normalises the rows as it copies them and applies silu to its tiles, so neither the normalised rows
+nor gate_up are ever stored; the other paths apply them around the product.
+
+    >>> choose_cpu_gemms(model, Config())                          # doctest: +SKIP
+    ({<Linear>: <KernelGemm>, ...}, {'576x1536 float32': 'kernel', ...})
+
+A Linear that takes a path other than torch's gives up its unpacked weight (the gemm holds what it
+multiplies), so the weights take the same memory as before. `Config.cpu_gemm` forces one path.
+
+Run the tests (each path equals F.linear for 1, 7, 64 and 300 rows):
+    pytest -q tests/test_cpu_backend.py -k gemm
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nanoserve.config import Config
+from nanoserve.cpu import kernels as cpu_kernels
+from nanoserve.cpu.ops import rms_norm, silu_and_mul
+from nanoserve.layers import Linear, RMSNorm, gemm_label
+
+
+class Gemm:
+    """One Linear's product on one path. `product(x)`: x @ W.T + b. `gemm(x, norm, residual)`:
+    the fused step's form (the module docstring); here, for the paths whose product cannot take
+    them, the norm before the product and silu(gate) * up after it."""
+    silu_and_mul = False
+
+    def product(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
+                 residual: Optional[Tensor] = None) -> Tensor:
+        if norm is not None:
+            x = rms_norm(norm, x) if residual is None else rms_norm(norm, x, residual)[0]
+        y = self.product(x)
+        return silu_and_mul(y) if self.silu_and_mul else y
+
+
+class TorchGemm(Gemm):
+    """F.linear on the weight as it is (MKL; oneDNN inside torch for bf16)."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
+        self.weight, self.bias, self.silu_and_mul = weight, bias, silu_and_mul
+        self.nbytes = weight.numel() * weight.element_size()   # the weight it holds (no copy)
+
+    def product(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class PackedGemm(Gemm):
+    """x @ W.T + b with W packed once into oneDNN's blocked layout, in dtype `compute`."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], compute: torch.dtype,
+                 silu_and_mul: bool = False):
+        self.compute, self.silu_and_mul = compute, silu_and_mul
+        # batch_size None: packed for any row count (a decode batch changes size every step).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute), None)
+        self.bias = None if bias is None else bias.detach().to(compute)
+        self.nbytes = weight.numel() * compute.itemsize   # what the packed copy holds
+
+    def product(self, x: Tensor) -> Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute), self.packed, self.bias,
+                                               "none", [], "")
+        return y.to(x.dtype)
+
+
+class KernelGemm(Gemm):
+    """x @ W.T + b with csrc/gemm.c, W packed once into its panels (cpu_kernels.gemm_pack).
+    silu_and_mul: gate_up's rows packed in the order that lets a tile end in silu(gate) * up; the
+    plain product then comes out in that order, and `product` puts its columns back in W's."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
+        self.packed, self.bias, row_order = cpu_kernels.gemm_pack(weight.detach(), bias, silu_and_mul)
+        self.silu_and_mul, self.packed_rows = silu_and_mul, len(row_order)
+        self.in_features = weight.shape[1]
+        self.out_features = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+        # Where each of W's rows went (padding rows, at the end of the sort, are left out).
+        self.columns = torch.argsort(row_order, stable=True)[:weight.shape[0]] if silu_and_mul else None
+        self.nbytes = self.packed.numel() * self.packed.element_size()
+
+    def product(self, x: Tensor) -> Tensor:
+        if not self.silu_and_mul:
+            return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features)
+        return cpu_kernels.gemm(x, self.packed, self.bias, self.packed_rows)[..., self.columns]
+
+    def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
+                 residual: Optional[Tensor] = None) -> Tensor:
+        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul,
+                                norm, residual)
+
+
+class AmxGemm(Gemm):
+    """x @ W.T + b in bf16 with W as it is: up to `loop_rows` rows by gemm.c's AMX loop
+    (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows).
+    silu_and_mul: W is gate_up, and the fused form ends in silu(gate) * up (the loop applies it to
+    its sums; after F.linear it is a pass of its own)."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None,
+                 silu_and_mul: bool = False):
+        if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not cpu_kernels.gemm_amx_ready():
+            raise RuntimeError("the AMX product needs bf16, inputs a multiple of 32 and a CPU with AMX")
+        self.weight, self.bias, self.silu_and_mul = weight.detach().contiguous(), bias, silu_and_mul
+        self.bias_f32 = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
+        self.loop_rows = amx_loop_rows(*weight.shape, silu_and_mul) if loop_rows is None else loop_rows
+        self.nbytes = weight.numel() * weight.element_size()   # the weight it holds (no copy)
+
+    def _loop(self, x: Tensor, norm, residual, silu: bool) -> Optional[Tensor]:
+        """The AMX loop's product, or None above its rows (or out of memory for its buffers)."""
+        if x.numel() > self.loop_rows * x.shape[-1]:
+            return None
+        return cpu_kernels.gemm_amx(x, self.weight, self.bias_f32, norm, residual, silu)
+
+    def product(self, x: Tensor) -> Tensor:
+        y = self._loop(x, None, None, False)
+        return F.linear(x, self.weight, self.bias) if y is None else y
+
+    def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
+                 residual: Optional[Tensor] = None) -> Tensor:
+        y = self._loop(x, norm, residual, self.silu_and_mul)
+        return super().__call__(x, norm, residual) if y is None else y
+
+
+def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False) -> Gemm:
+    """The product of `weight` and `bias` along `path`. Raises RuntimeError where this machine
+    cannot do it (oneDNN bf16 without AVX-512 or AVX-NE-CONVERT; no C compiler; no AMX)."""
+    if path == "kernel":
+        return KernelGemm(weight, bias, silu_and_mul)
+    if path == "amx":
+        return AmxGemm(weight, bias, silu_and_mul=silu_and_mul)
+    if path == "torch":
+        return TorchGemm(weight, bias, silu_and_mul)
+    compute = torch.float32 if path == "onednn-fp32" else weight.dtype
+    return PackedGemm(weight, bias, compute, silu_and_mul)
+
+
+@functools.lru_cache(maxsize=None)
+def amx_loop_rows(out_features: int, in_features: int, silu_and_mul: bool = False,
+                  probes=(8, 16, 32, 64, 128, 256, 512)) -> int:
+    """The most rows up to which gemm.c's AMX loop beats F.linear on this CPU: the last of
+    `probes` before the first it loses (0: it loses at the first), timed on a random bf16 weight
+    of this shape, the two interleaved (silu_and_mul: each ending in it, as the layer does).
+    Measured once per shape, not assumed: where the library catches up depends on the CPU and the
+    shape (Sapphire Rapids, 2 threads, the bench model's shapes: from 128 to 256 rows, gate_up
+    with silu_and_mul 512)."""
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    zeros, rows = torch.zeros(out_features), 0
+    paths = {"loop": lambda r: cpu_kernels.gemm_amx(r, weight, zeros, silu_and_mul=silu_and_mul),
+             "torch": TorchGemm(weight, None, silu_and_mul)}
+    for m in probes:
+        seconds = _interleaved_seconds(paths, torch.randn(m, in_features, dtype=torch.bfloat16), 2)
+        if seconds["loop"] > seconds["torch"]:
+            break
+        rows = m
+    return rows
+
+
+def candidate_paths(dtype: torch.dtype) -> tuple[str, ...]:
+    """The paths worth timing for weights of `dtype` on a CPU."""
+    paths = ["torch"]
+    if torch.backends.mkldnn.is_available():
+        paths += ["onednn", "onednn-fp32"] if dtype in (torch.bfloat16, torch.float16) else ["onednn"]
+    if dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
+        paths.append("kernel")
+    if dtype == torch.bfloat16 and cpu_kernels.gemm_amx_ready():
+        paths.append("amx")
+    return tuple(paths)
+
+
+def _seconds(gemm: Gemm, x: Tensor) -> float:
+    start = time.perf_counter()
+    gemm(x)
+    return time.perf_counter() - start
+
+
+def _best_seconds(gemm: Gemm, x: Tensor, repeats: int) -> float:
+    gemm(x)   # first call: oneDNN builds its kernel for this shape
+    return min(_seconds(gemm, x) for _ in range(repeats))
+
+
+def _interleaved_seconds(gemms: dict[str, Gemm], x: Tensor, repeats: int) -> dict[str, float]:
+    """Each product's best time on x, the products taking turns: a burst of other load hits
+    every one alike."""
+    seconds = {name: _best_seconds(gemm, x, 1) for name, gemm in gemms.items()}
+    for _ in range(repeats):
+        for name, gemm in gemms.items():
+            seconds[name] = min(seconds[name], _seconds(gemm, x))
+    return seconds
+
+
+@torch.inference_mode()
+def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
+               paths: Iterable[str], repeats: int = 3, silu_and_mul: bool = False) -> dict[str, float]:
+    """Each path's cost over `rows`: the sum, over the row counts, of its best time divided by
+    the fastest path's (1.0 per row count = always the fastest), silu_and_mul included where the
+    layer has it. Paths this machine cannot run are left out. Relative, so a 512-row product
+    does not drown out the 1-row decode."""
+    gemms = {}
+    for path in paths:
+        try:
+            gemms[path] = make_gemm(path, weight, bias, silu_and_mul)
+        except RuntimeError:      # oneDNN without support for this dtype here
+            continue
+    cost = dict.fromkeys(gemms, 0.0)
+    if len(gemms) <= 1:
+        return cost
+    for m in rows:
+        seconds = _interleaved_seconds(gemms, torch.randn(m, weight.shape[1], dtype=weight.dtype), repeats)
+        fastest = min(seconds.values())
+        for path, s in seconds.items():
+            cost[path] += s / fastest
+    return cost
+
+
+def timed_rows(most: int) -> list[int]:
+    """The row counts a product is timed at, up to the most it will see."""
+    return [m for m in (1, 8, 64, 512) if m <= most] or [most]
+
+
+def choose_cpu_gemms(model, config: Config, silu_fused: bool) -> tuple[dict, dict[str, str]]:
+    """Give every Linear of `model` its fastest path on this CPU, timed once per distinct shape:
+    the layers at up to a step's token budget, the LM head at the rows that sample.
+    `config.cpu_gemm` (a path name) skips the timing; where that path cannot run here, the layer
+    keeps torch's. silu_fused: gate_up's gemm is built for the fused step's silu(gate) * up.
+    Returns ({Linear: Gemm}, {'in x out dtype': path}), the latter for `nanoserve bench`."""
+    chosen, gemms, labels = {}, {}, {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear):
+            continue
+        w, silu = layer.weight.detach(), silu_fused and name.endswith("gate_up_proj")
+        key = (w.shape, w.dtype, layer.bias is not None, silu)
+        if key not in chosen:
+            paths = candidate_paths(w.dtype)
+            if config.cpu_gemm != "auto":
+                paths = [p for p in paths if p == config.cpu_gemm] or ["torch"]
+            rows = timed_rows(config.max_num_seqs if layer is model.lm_head else config.max_num_batched_tokens)
+            cost = time_paths(w, layer.bias, rows, paths, silu_and_mul=silu) or {"torch": 0.0}
+            chosen[key] = min(cost, key=cost.get)
+        gemms[layer] = make_gemm(chosen[key], w, layer.bias, silu)
+        labels[gemm_label(layer, w.dtype) + (" silu_and_mul" if silu else "")] = chosen[key]
+    return gemms, labels
+
+
+def gemm_peak(path: str, dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int = 512,
+              device: str = "cpu", repeats: int = 3) -> float:
+    """The best sustained FLOP/s of `path` (on CUDA: cuBLAS, F.linear) over the (in, out) weight
+    shapes given, `rows` rows each: the ceiling the model's own products are measured against
+    (`nanoserve bench`). The model's own shapes, because a square 2048^3 product can run slower
+    (or faster) than the shapes the model actually multiplies."""
+    best = 0.0
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    for in_features, out_features in shapes:
+        weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
+        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None)
+        x = torch.randn(rows, in_features, dtype=dtype, device=device)
+        seconds = _best_seconds(lambda r: (gemm.product(r), sync()), x, repeats)
+        best = max(best, 2 * rows * in_features * out_features / seconds)
+    return best

@@ -1,0 +1,120 @@
+"""ops.py: the CPU backend's form of each op of the seam (layers.py), on the C kernels (kernels.py).
+
+Each computes what the op's `forward_native` computes, and falls back to it wherever a kernel cannot
+take the tensors it is given (a dtype other than float32 or bf16, a non-contiguous view, no C
+compiler here). cpu/backend.py sets them as the ops' `impl` once, at load.
+
+Attention reads `CpuAttentionMetadata`: the common metadata plus the step's decodes and its other
+requests as the two attention kernels take them (contiguous int32 arrays and their addresses),
+built once a step by the model runner (`Backend.build_metadata`), not once a layer.
+
+    pytest -q tests/test_cpu_backend.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from nanoserve.attention_metadata import AttentionMetadata
+from nanoserve.cpu import kernels as cpu_kernels
+from nanoserve.layers import Attention, RMSNorm, RopeStoreKV, SiluAndMul
+from nanoserve.paged_attention import attend_each
+
+NATIVE_SILU_AND_MUL = SiluAndMul()   # the reference, where silu_and_mul.c cannot run
+
+
+def rms_norm(norm: RMSNorm, x: Tensor, residual: Optional[Tensor] = None):
+    """RMSNorm.forward: norm(x), or (norm(x + residual), residual) with the residual updated in
+    place; rms_norm.c in one pass."""
+    out = cpu_kernels.rms_norm(x, residual, norm.weight, norm.eps)
+    if out is None:
+        return norm.forward_native(x, residual)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """SiluAndMul.forward: silu_and_mul.c, into the contiguous rows down_proj reads."""
+    out = cpu_kernels.silu_and_mul(gate_up)
+    return NATIVE_SILU_AND_MUL.forward_native(gate_up) if out is None else out
+
+
+def fused_rows(q: Tensor, k: Tensor, v: Tensor) -> Optional[Tensor]:
+    """The qkv rows [tokens, q + 2 kv] that q, k and v were split from, where they are its three
+    column blocks in order (the model's split views, no Qwen3 q/k norm between); else None."""
+    n, item = q.shape[0], q.element_size()
+    widths = [t[0].numel() if n else 0 for t in (q, k, v)]
+    row = sum(widths)
+    same_rows = all(t.stride(0) == row and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+                    for t in (q, k, v))
+    adjacent = (k.data_ptr() == q.data_ptr() + widths[0] * item
+                and v.data_ptr() == k.data_ptr() + widths[1] * item
+                and q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr())
+    return q.as_strided((n, row), (row, 1)) if n and same_rows and adjacent else None
+
+
+def rope_store_kv(op: RopeStoreKV, rope, q: Tensor, k: Tensor, v: Tensor, kv_cache, slot_mapping):
+    """RopeStoreKV.forward: rope.c reads the fused qkv rows, rotates q and k, stores k and v."""
+    qkv = fused_rows(q, k, v)
+    out = None if qkv is None else cpu_kernels.rope_store_kv(qkv, rope, slot_mapping, *kv_cache,
+                                                             q.shape[1])
+    return op.forward_native(rope, q, k, v, kv_cache, slot_mapping) if out is None else out
+
+
+class RequestGroup(NamedTuple):
+    """Some of a step's requests, in contiguous int32 tensors (what the C kernels read)."""
+    indices: list[int]     # which of the step's requests
+    query_start: Tensor    # [n]: each one's first row in the flat batch
+    query_len: Tensor      # [n]
+    block_tables: Tensor   # [n, max_blocks_per_req]
+    seq_lens: Tensor       # [n]
+    arguments: tuple[int, ...]   # the 4 addresses, n, max_blocks_per_req: once a step, not a layer
+
+    @staticmethod
+    def of(md: AttentionMetadata, selected: Tensor) -> "RequestGroup":
+        rows = selected.nonzero().flatten()
+        qsl = md.query_start_loc
+        arrays = (qsl[rows].to(torch.int32), (qsl[rows + 1] - qsl[rows]).to(torch.int32),
+                  md.block_tables[rows].to(torch.int32), md.seq_lens[rows].to(torch.int32))
+        return RequestGroup(rows.tolist(), *arrays,
+                            (*(a.data_ptr() for a in arrays), len(rows), arrays[2].shape[1]))
+
+
+@dataclass
+class CpuAttentionMetadata(AttentionMetadata):
+    decodes: Optional[RequestGroup] = None   # query_len 1: decode_attention.c
+    others: Optional[RequestGroup] = None    # the rest: prefill_attention.c
+
+    @staticmethod
+    def of(md: AttentionMetadata) -> "CpuAttentionMetadata":
+        if isinstance(md, CpuAttentionMetadata):
+            return md
+        query_len = md.query_start_loc[1:] - md.query_start_loc[:-1]
+        common = {f.name: getattr(md, f.name) for f in dataclasses.fields(AttentionMetadata)}
+        return CpuAttentionMetadata(**common, decodes=RequestGroup.of(md, query_len == 1),
+                                    others=RequestGroup.of(md, query_len > 1))
+
+
+def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
+                        scale: float, out: Optional[Tensor] = None) -> Tensor:
+    """paged_attention_torch's result, the decodes by decode_attention.c and the other requests by
+    prefill_attention.c, which read K/V in place. Whatever a kernel does not take goes through
+    the torch loop. `out`: where to write it (a new tensor if None)."""
+    md, out = CpuAttentionMetadata.of(md), torch.empty_like(q) if out is None else out
+    left: list[int] = []
+    for kernel, group in (("decode_attention", md.decodes), ("prefill_attention", md.others)):
+        if group.indices and not cpu_kernels.attention_kernel(kernel, q, out, k_cache, v_cache,
+                                                              group, scale):
+            left += group.indices
+    if left:
+        attend_each(q, out, k_cache, v_cache, md, scale, left)
+    return out
+
+
+def attention(op: Attention, q: Tensor, kv_cache, attn_metadata: AttentionMetadata) -> Tensor:
+    """Attention.forward on the C kernels."""
+    return paged_attention_cpu(q, *kv_cache, attn_metadata, op.scale)

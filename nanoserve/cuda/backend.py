@@ -1,0 +1,42 @@
+"""backend.py: the CUDA backend: the Triton kernels (paged_attention_triton.py) for storing K/V and
+for attention over the paged cache; every other op keeps its torch form (cuBLAS products, torch's
+own CUDA kernels for the norms, RoPE and silu).
+
+    pytest -q tests/test_paged_attention_triton.py     # the kernels == the torch reference
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import Tensor
+
+from nanoserve.cuda.paged_attention_triton import (compile_kernels, paged_attention_triton,
+                                                   store_kv_triton)
+from nanoserve.layers import Attention, Backend, RopeStoreKV, apply_rope
+
+
+def rope_store_kv(rope, q: Tensor, k: Tensor, v: Tensor, kv_cache, slot_mapping: Tensor) -> Tensor:
+    """RopeStoreKV.forward: torch's RoPE, one Triton launch to store k and v."""
+    cos, sin = rope
+    store_kv_triton(apply_rope(k, cos, sin), v, *kv_cache, slot_mapping)
+    return apply_rope(q, cos, sin)
+
+
+def attention(op: Attention, q: Tensor, kv_cache, attn_metadata) -> Tensor:
+    """Attention.forward: one Triton launch for the whole mixed batch."""
+    return paged_attention_triton(q, *kv_cache, attn_metadata, op.scale)
+
+
+def bind(model, block_size: int, gemm_paths: dict[str, str]) -> Backend:
+    """The Triton forms for `model`'s ops, every kernel variant compiled now (compile_kernels), so
+    that no step of serving stalls on a compile."""
+    attn, weight = model.model.layers[0].self_attn, model.model.embed_tokens.weight
+    compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim, block_size, weight.dtype,
+                    weight.device)
+    for module in model.modules():
+        if isinstance(module, RopeStoreKV):
+            module.impl = rope_store_kv
+        elif isinstance(module, Attention):
+            module.impl = functools.partial(attention, module)
+    return Backend("cuda", model, gemm_paths=gemm_paths)

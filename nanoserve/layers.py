@@ -1,0 +1,164 @@
+"""layers.py: the seam. The few ops the model calls, each with its torch reference and the backend
+forms that may replace it, chosen once at load (vLLM's CustomOp).
+
+    Linear        y = x @ W.T + b                                  every product, the LM head too
+    RMSNorm       x / rms(x) * w; with a residual: (norm(x + residual), x + residual)
+    SiluAndMul    silu(gate) * up from the MLP's fused gate_up rows
+    RopeStoreKV   RoPE on q and k, then k and v written into the paged cache; returns q
+    Attention     each new token over its request's cached tokens (paged_attention.py)
+
+`forward_native` is the torch reference: the code the lessons cite, and what every other form is
+tested against. `impl` is what `forward` calls: `forward_native` until a backend gives the op its
+own form of the same math (backends.py picks the backend for the device: cuda/ has the Triton
+kernels, cpu/ the C kernels and the products timed on this CPU). The model stays plain torch either
+way, and its modules are called as modules, so `register_forward_hook` works on every op:
+
+    >>> norm = RMSNorm(4, eps=1e-6)
+    >>> seen = []
+    >>> _ = norm.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    >>> _ = norm(torch.ones(2, 4))
+    >>> seen
+    [torch.Size([2, 4])]
+
+Fusions that span ops (a norm inside the next product, a whole decode step as one loop of C calls)
+are no op's business: a backend builds them from the plain model's weights, as vLLM builds CUDA
+graphs from its eager model, and gives the model runner the fused step as `Backend.forward`.
+
+    pytest -q tests/test_models.py        # the model on these ops == HF transformers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nanoserve.attention_metadata import AttentionMetadata
+from nanoserve.paged_attention import paged_attention_torch, store_kv_torch
+
+
+class CustomOp(nn.Module):
+    """An op whose `forward` runs `impl`: the torch reference unless a backend set its own form."""
+
+    def __init__(self):
+        super().__init__()
+        self.impl: Callable = self.forward_native
+
+    def forward(self, *args):
+        return self.impl(*args)
+
+    def forward_native(self, *args):
+        raise NotImplementedError
+
+
+class Linear(CustomOp):
+    """y = x @ W.T + b. `weight` is [out_features, in_features], as in HF checkpoints.
+    A backend may multiply another way (cpu/gemm.py: a packed weight, the path timed fastest on
+    this CPU); the weight it was loaded with is what it multiplies."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward_native(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(CustomOp):
+    """HF's LlamaRMSNorm. Given a `residual`, it first adds x to it in place (vLLM's
+    fused_add_rms_norm: the residual stream is updated, then normalised) and returns
+    (normalised, residual)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward_native(self, x: Tensor, residual: Tensor | None = None):
+        if residual is not None:
+            x = residual.add_(x)
+        # Normalise in float32 (bf16 squares lose too much), scale in the model dtype, as HF does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class SiluAndMul(CustomOp):
+    """silu(gate) * up from a gate_up product [..., 2 * intermediate], gate first (HF's
+    act_fn(gate_proj(x)) * up_proj(x), with the two projections fused into one)."""
+
+    def forward_native(self, gate_up: Tensor) -> Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [num_tokens, heads, head_dim]; HF's layout pairs dim i with dim i + head_dim / 2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RopeStoreKV(CustomOp):
+    """q, k [tokens, heads, head_dim] rotated by the step's `rope` (cos, sin, each
+    [tokens, 1, head_dim // 2]: RotaryEmbedding gives them once a step); the rotated k and v
+    written into the layer's paged cache at `slot_mapping`. Returns the rotated q."""
+
+    def forward_native(self, rope: tuple[Tensor, Tensor], q: Tensor, k: Tensor, v: Tensor,
+                       kv_cache: tuple[Tensor, Tensor], slot_mapping: Tensor) -> Tensor:
+        cos, sin = rope
+        store_kv_torch(apply_rope(k, cos, sin), v, *kv_cache, slot_mapping)
+        return apply_rope(q, cos, sin)
+
+
+class Attention(CustomOp):
+    """Causal attention of this step's queries [tokens, heads, head_dim] over the paged cache
+    (their own K/V already stored by RopeStoreKV) -> the same shape."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward_native(self, q: Tensor, kv_cache: tuple[Tensor, Tensor],
+                       attn_metadata: AttentionMetadata) -> Tensor:
+        return paged_attention_torch(q, *kv_cache, attn_metadata, self.scale)
+
+
+def greedy_argmax(logits: Tensor) -> Tensor:
+    """Each row's argmax: greedy sampling's token (a backend may have a faster one)."""
+    return logits.argmax(dim=-1)
+
+
+def new_kv_cache(shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zeroed K or V cache tensor of one layer."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+@dataclass
+class Backend:
+    """What a backend hands the model runner, once, at load.
+
+    forward:        one step's forward, (input_ids, positions, kv_caches, attn_metadata) -> hidden:
+                    the model itself, or the backend's fused step built from its weights
+    build_metadata: the step's AttentionMetadata as the backend's kernels read it (vLLM's
+                    attention metadata builders); the common one where they need nothing more
+    argmax:         the sampler's greedy argmax over logits rows
+    new_kv_cache:   allocates one layer's K or V cache
+    gemm_paths:     how each product shape multiplies, for `nanoserve bench` ({'576x1536 float32':
+                    'kernel'}); 'torch' is F.linear"""
+    name: str
+    forward: Callable[..., Tensor]
+    build_metadata: Callable[[AttentionMetadata], AttentionMetadata] = lambda md: md
+    argmax: Callable[[Tensor], Tensor] = greedy_argmax
+    new_kv_cache: Callable[..., Tensor] = new_kv_cache
+    gemm_paths: dict[str, str] = field(default_factory=dict)
+
+
+def gemm_label(linear: Linear, dtype: torch.dtype) -> str:
+    """'in x out dtype', the key of Backend.gemm_paths."""
+    return f"{linear.in_features}x{linear.out_features} {str(dtype).removeprefix('torch.')}"
