@@ -37,8 +37,9 @@ class Config:
     model: str = _f(DEFAULT_MODEL, "HF-format checkpoint directory, hub id, or the built-in "
                     "'nanoserve-tiny'.")
     tokenizer: Optional[str] = _f(None, "Tokenizer directory or hub id (default: the model's).")
-    dtype: str = _f("auto", "Weight and activation dtype. 'auto': the checkpoint's dtype on "
-                    "CUDA, float32 on CPU.", ("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "Weight and activation dtype. 'auto': float32 on CPU; on CUDA the "
+                    "checkpoint's, with float32 served in bfloat16 (float16 on GPUs without bf16).",
+                    ("auto", "float32", "bfloat16", "float16"))
     device: str = _f("auto", "'auto': cuda when available, else cpu.", ("auto", "cpu", "cuda"))
     seed: int = _f(0, "Seed for requests that have no seed of their own.")
     skip_tokenizer_init: bool = _f(False, "Load no tokenizer: prompts must be "

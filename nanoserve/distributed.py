@@ -66,13 +66,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cuda_device_for_rank(rank: int, world_size: int, device_count: int,
+                         local_rank: Optional[int] = None) -> int:
+    """The GPU index of `rank` on its host: `local_rank` when a launcher spread the ranks over
+    hosts (its LOCAL_RANK), else the rank itself, as nanoserve starts every rank on one host.
+    ValueError when the host has fewer GPUs than the ranks it must hold."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside tensor_parallel_size {world_size}")
+    index = rank if local_rank is None else local_rank
+    needed = world_size if local_rank is None else local_rank + 1
+    if needed > device_count:
+        raise ValueError(f"tensor_parallel_size {world_size} needs {needed} GPUs on this host, "
+                         f"torch sees {device_count} (CUDA_VISIBLE_DEVICES?)")
+    return index
+
+
+def _launcher_local_rank(rank: int) -> Optional[int]:
+    """LOCAL_RANK, when a launcher (torchrun) set it for this very rank. The workers nanoserve
+    spawns inherit their parent's environment, so a LOCAL_RANK beside another RANK is not theirs."""
+    if "LOCAL_RANK" in os.environ and os.environ.get("RANK") == str(rank):
+        return int(os.environ["LOCAL_RANK"])
+    return None
+
+
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: str) -> torch.device:
     """Join the group as `rank` and return this rank's device: on CUDA one GPU per rank and
     NCCL; on CPU gloo, with the cores shared out (N ranks each using every core would fight
     over them: on 2 cores with N=2, one thread each)."""
     if device == "cuda":
-        torch.cuda.set_device(rank)
-        backend, dev = "nccl", torch.device("cuda", rank)
+        index = cuda_device_for_rank(rank, size, torch.cuda.device_count(), _launcher_local_rank(rank))
+        torch.cuda.set_device(index)
+        backend, dev = "nccl", torch.device("cuda", index)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         backend, dev = "gloo", torch.device("cpu")

@@ -3,7 +3,7 @@
 Loading follows HF's format: config.json, *.safetensors (one file, or shards with
 model.safetensors.index.json) and tokenizer files, from a directory, the built-in
 `nanoserve-tiny`, or a hub id when the hub is reachable. The sizing functions are the ones
-both the ModelRunner (worker.py) and the `nanoserve memory` calculator (memory.py) use, so
+both the ModelRunner (model_runner.py) and the `nanoserve memory` calculator (memory.py) use, so
 the two never disagree about how many KV blocks fit.
 
 Lesson: lessons/06-length-and-memory.md
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -63,18 +64,58 @@ def iterate_weights(path: Path):
 
 
 def resolve_device(device: str) -> str:
-    return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    """'auto' -> cuda when torch sees a GPU, else cpu. ValueError for 'cuda' where torch has none,
+    saying why: a CPU build of torch, or a CUDA build that finds no GPU (driver, CUDA_VISIBLE_DEVICES)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        build = torch.version.cuda or torch.version.hip
+        why = (f"torch {torch.__version__} is a CPU build (torch.version.cuda is None)" if build is None
+               else f"torch {torch.__version__} built for CUDA/ROCm {build} finds no GPU (driver? "
+                    "CUDA_VISIBLE_DEVICES?)")
+        raise ValueError(f"device 'cuda': torch.cuda.is_available() is False: {why}; use device 'cpu'")
+    return device
+
+
+class GpuInfo(NamedTuple):
+    """What resolve_dtype asks of a GPU."""
+    name: str
+    capability: tuple[int, int]   # compute capability, (8, 0) for an A100
+    torch_bf16: bool              # torch.cuda.is_bf16_supported(including_emulation=False)
+
+    @property
+    def bf16(self) -> bool:
+        # bf16 tensor cores, which the Triton kernels' tl.dot and cuBLAS need to be fast, start at sm_80.
+        return self.torch_bf16 and self.capability >= (8, 0)
+
+
+def gpu_info(device: torch.device) -> Optional[GpuInfo]:
+    """The GPU `device` names, or None where torch sees no GPU (`nanoserve memory` sizing one
+    from a CPU machine). Tests replace this function to play other GPUs."""
+    if not torch.cuda.is_available():
+        return None
+    return GpuInfo(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device),
+                   torch.cuda.is_bf16_supported(including_emulation=False))
 
 
 def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
-    if dtype != "auto":
-        return DTYPES[dtype]
+    """The model dtype, vLLM's rule. CPU 'auto': float32 (CPUs without bf16 units are slow in
+    half precision). CUDA 'auto': the checkpoint's dtype, but a float32 (or unnamed) checkpoint
+    runs in bfloat16, or float16 on a GPU without bf16 (before sm_80), which also gets a bf16
+    checkpoint in float16: float32 doubles the memory and keeps attention off the tensor cores."""
     if device.type == "cpu":
-        return torch.float32    # CPUs without bf16 units are slow in half precision
+        return torch.float32 if dtype == "auto" else DTYPES[dtype]
+    gpu = gpu_info(device)
+    half = torch.bfloat16 if gpu is None or gpu.bf16 else torch.float16   # None: assume a current GPU
+    if dtype != "auto":
+        if DTYPES[dtype] == torch.bfloat16 and half != torch.bfloat16:
+            raise ValueError(f"dtype 'bfloat16' is not supported on {gpu.name} (compute capability "
+                             f"{gpu.capability[0]}.{gpu.capability[1]}; bf16 needs 8.0+): use "
+                             "dtype 'float16' or 'auto'")
+        return DTYPES[dtype]
     checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(checkpoint, str):
-        checkpoint = DTYPES.get(checkpoint)
-    return checkpoint if checkpoint in DTYPES.values() else torch.bfloat16
+    checkpoint = DTYPES.get(checkpoint) if isinstance(checkpoint, str) else checkpoint
+    return torch.float16 if checkpoint == torch.float16 else half
 
 
 def kv_cache_bytes_per_token(hf_config, dtype: torch.dtype) -> int:

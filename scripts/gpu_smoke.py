@@ -1,0 +1,279 @@
+"""gpu_smoke.py: what only a GPU can show about nanoserve's CUDA path, in one command (a few minutes
+on an H200, at most 10), printed for a person to read.
+
+    python scripts/gpu_smoke.py        # from the repository root, on a machine with a CUDA GPU
+
+Sections, in order; each runs even when one before it failed (a failure prints its traceback):
+
+  kernel tests     tests/test_paged_attention_triton.py with the kernels compiled (TRITON_INTERPRET=0)
+  warm-up          compile_kernels' time, and no compile left for serving steps after it
+  kernels          compiled store_kv + attention == the torch reference at real head shapes, in
+                   float32 and bfloat16 (max error printed)
+  LLM float32      LLM(device='cuda') start-up time and KV pool; its greedy == CPU greedy, token for token
+  LLM bfloat16     bf16 greedy vs float32 greedy: the fraction of tokens that agree
+  seeded sampling  a seeded request alone == the same request inside a batch of 8
+  throughput       nanoserve bench's workload (tools/bench.py) on CUDA: tok/s and the step's time split
+  serve            `nanoserve serve --device cuda` answers one /v1/completions on loopback
+  past 2^31        a bf16 step whose blocks sit past 2^31 cache elements (last: a memory fault there
+                   leaves the CUDA context unusable)
+
+Then a summary table. Each section has a time limit (a hang is a FAIL), and sections left when 9 1/3
+minutes are spent are skipped. Exit status: 0 all passed, 1 a section failed or was skipped, 2 no CUDA
+device here.
+"""
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, whatever the caller's environment says
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["Once upon a time", "The little dog", "A bird sang", "Tell me a story about a cat."]
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+KERNEL_TESTS_LIMIT_S, SERVE_LIMIT_S = 240, 120  # and the other sections' limits in main(): a hang is a FAIL
+TOTAL_LIMIT_S = 560  # the whole command within 10 minutes, start-up and summary included
+
+
+# ---------------------------------------------------------------------------------------- kernels
+
+
+def random_step(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, dtype, first_block=0, seed=0):
+    """A step over a paged cache whose requests own shuffled blocks from first_block on (the blocks
+    below stay unwritten): the earlier tokens' K/V are random, this step's new ones stored with
+    store_kv_triton, and checked to sit at their slots. Returns (query, k_cache, v_cache, metadata)."""
+    from nanoserve.cuda.paged_attention_triton import store_kv_triton
+    dev, bs = torch.device("cuda"), 16
+    g = torch.Generator(device=dev).manual_seed(seed)
+    randn = functools.partial(torch.randn, generator=g, device=dev)
+    blocks = [-(-s // bs) for s in seq_lens]
+    ids = first_block + torch.randperm(sum(blocks), generator=g, device=dev)
+    k_cache = torch.empty(first_block + sum(blocks), bs, num_kv_heads, head_dim, dtype=dtype, device=dev)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[ids], v_cache[ids] = (randn(len(ids), bs, num_kv_heads, head_dim).to(dtype) for _ in range(2))
+    tables = torch.zeros(len(blocks), max(blocks), dtype=torch.int32, device=dev)
+    for i, row in enumerate(ids.split(blocks)):
+        tables[i, :len(row)] = row.int()
+    slots = torch.cat([tables[i, p // bs].long() * bs + p % bs for i, p in enumerate(
+        torch.arange(s - q, s, device=dev) for q, s in zip(query_lens, seq_lens))])
+    new_k, new_v = (randn(len(slots), num_kv_heads, head_dim).to(dtype) for _ in range(2))
+    store_kv_triton(new_k, new_v, k_cache, v_cache, slots)
+    rows = (-1, num_kv_heads, head_dim)
+    assert torch.equal(k_cache.view(rows)[slots], new_k) and torch.equal(v_cache.view(rows)[slots], new_v)
+    qsl = torch.tensor([0] + query_lens, device=dev).cumsum(0).int()
+    md = SimpleNamespace(slot_mapping=slots, block_tables=tables, query_start_loc=qsl,
+                         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                         max_query_len=max(query_lens), num_reqs=len(seq_lens))
+    return randn(len(slots), num_heads, head_dim).to(dtype), k_cache, v_cache, md
+
+
+def attention_error(step, scale) -> float:
+    """Max |Triton - torch reference| over the step's outputs."""
+    from nanoserve.cuda.paged_attention_triton import paged_attention_triton
+    from nanoserve.paged_attention import paged_attention_torch
+    out = paged_attention_triton(*step, scale)
+    return (out.float() - paged_attention_torch(*step, scale).float()).abs().max().item()
+
+
+def kernel_tests() -> str:
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_paged_attention_triton.py"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=KERNEL_TESTS_LIMIT_S - 10)
+    print(run.stdout[-4000:], run.stderr[-2000:])
+    assert run.returncode == 0, f"pytest exit code {run.returncode}"
+    return run.stdout.strip().splitlines()[-1]
+
+
+def compiled_kernels() -> int:
+    """Kernels Triton compiled so far in this process (its per-device cache)."""
+    from nanoserve.cuda import paged_attention_triton as pat
+    return sum(len(k.device_caches[torch.cuda.current_device()][0])
+               for k in (pat._store_kv_kernel, pat._unified_attention_kernel))
+
+
+def warm_up() -> str:
+    from nanoserve.cuda.paged_attention_triton import compile_kernels
+    start = time.perf_counter()
+    compile_kernels(28, 4, 128, 16, torch.bfloat16, torch.device("cuda"))  # Qwen2.5-7B's heads
+    took, compiled = time.perf_counter() - start, compiled_kernels()
+    # Decodes, then mixed steps, with block tables 1, 16 and neither wide (the longest table's blocks).
+    for query_lens, seq_lens in (([1], [3]), ([1] * 3, [16 * 16] * 3), ([1, 1], [20, 700]),
+                                 ([3], [3]), ([5, 1], [256, 9]), ([64, 1, 1], [64, 17, 513])):
+        attention_error(random_step(query_lens, seq_lens, 28, 4, 128, torch.bfloat16), 128**-0.5)
+    print(f"compile_kernels: {took:.1f} s, {compiled} kernels; after 6 varied steps: {compiled_kernels()}")
+    assert compiled_kernels() == compiled, "a serving step compiled a kernel that the warm-up did not"
+    return f"{took:.1f} s, {compiled} kernels"
+
+
+def kernels() -> str:
+    worst = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for head_dim in (64, 80, 96, 128):
+            for group in (1, 4, 8):
+                step = random_step([1, 1, 9, 40], [1, 300, 70, 40], 4 * group, 4, head_dim, dtype)
+                err = attention_error(step, head_dim**-0.5)
+                print(f"{str(dtype):15} head_dim {head_dim:3} group {group}: max error {err:.2e}")
+                assert err <= TOL[dtype], f"{dtype} head_dim {head_dim} group {group}: error {err}"
+                worst[dtype] = max(worst.get(dtype, 0.0), err)
+    return ", ".join(f"{str(k).removeprefix('torch.')} max err {v:.1e}" for k, v in worst.items())
+
+
+def past_int32() -> str:
+    stride = 16 * 8 * 128  # block_size x kv heads x head_dim: elements per block
+    first = 2**31 // stride  # every block of the step starts at element >= 2^31
+    step = random_step([7, 1], [50, 300], 32, 8, 128, torch.bfloat16, first_block=first)
+    err = attention_error(step, 128**-0.5)
+    top = step[1].numel()
+    print(f"cache of {top} elements ({top / 2**31:.3f} x 2^31) per K and V; max error {err:.2e}")
+    assert err <= TOL[torch.bfloat16], f"error {err}"
+    return f"max err {err:.1e}"
+
+
+# -------------------------------------------------------------------------------------------- LLM
+
+
+def free_cuda_memory() -> None:
+    """Hand a deleted LLM's weights and KV pool back, before the next one profiles the free memory."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@functools.cache
+def greedy(device: str, dtype: str) -> tuple:
+    from nanoserve import LLM, SamplingParams
+    start = time.perf_counter()
+    # The first CUDA engine sizes its KV pool as serving would (profiled); the others take 4 GiB.
+    first_cuda = (device, dtype) == ("cuda", "float32")
+    llm = LLM(device=device, dtype=dtype, **({} if first_cuda or device == "cpu" else {"kv_cache_memory_gb": 4}))
+    startup, config = time.perf_counter() - start, llm.config
+    print(f"LLM(device={device!r}, dtype={dtype!r}): start-up {startup:.1f} s, KV pool "
+          f"{config.num_kv_blocks} blocks x {config.block_size} = {config.num_kv_blocks * config.block_size} tokens")
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    tokens = tuple(o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, progress=False))
+    del llm
+    free_cuda_memory()
+    return tokens
+
+
+def llm_float32() -> str:
+    cuda, cpu = greedy("cuda", "float32"), greedy("cpu", "float32")
+    for prompt, a, b in zip(PROMPTS, cuda, cpu):
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        print(f"{prompt!r}: {'equal' if first is None else f'differ from token {first}'}")
+    assert cuda == cpu, "CUDA float32 greedy != CPU float32 greedy"
+    return "CUDA == CPU greedy"
+
+
+def llm_bfloat16() -> str:
+    bf16, fp32 = greedy("cuda", "bfloat16"), greedy("cuda", "float32")
+    same = sum(x == y for a, b in zip(bf16, fp32) for x, y in zip(a, b))
+    total = sum(map(len, fp32))
+    print(f"bf16 tokens equal to float32's, position by position: {same}/{total}")
+    assert same >= total / 2, "bf16 agrees with float32 on fewer than half the tokens"
+    return f"{same / total:.0%} of tokens agree"
+
+
+def seeded_sampling() -> str:
+    from nanoserve import LLM, SamplingParams
+    llm = LLM(device="cuda", dtype="float32", kv_cache_memory_gb=4)  # float32: no bf16 batch noise
+    params = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=32, ignore_eos=True) for i in range(8)]
+    alone = llm.generate([PROMPTS[3]], params[3], progress=False)[0].outputs[0].token_ids
+    batch = llm.generate([PROMPTS[i % 4] for i in range(8)], params, progress=False)
+    del llm
+    free_cuda_memory()
+    print(f"alone: {alone}\nbatch: {batch[3].outputs[0].token_ids}")
+    assert batch[3].outputs[0].token_ids == alone, "the seeded request changed inside a batch"
+    return "alone == in a batch of 8"
+
+
+def throughput() -> str:
+    from nanoserve.tools.bench import make_bench_llm, make_workload, time_workload
+    llm = make_bench_llm(dtype="bfloat16", device="cuda")
+    result = time_workload(llm, *make_workload(64))
+    del llm
+    free_cuda_memory()
+    split = ", ".join(f"{k} {v:.2f}" for k, v in result["ms_per_step"].items())
+    print(f"{result['output_tok_s']:.0f} output tok/s, {result['steps']} steps, mean batch "
+          f"{result['mean_batch_size']:.1f}; ms/step: {split}")
+    return f"{result['output_tok_s']:.0f} tok/s"
+
+
+def serve() -> str:
+    import httpx
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from compare_serving import running  # starts, waits for /health, always stops
+    from nanoserve.distributed import free_port
+    port = free_port()
+    cmd = [sys.executable, "-m", "nanoserve.cli", "serve", "--device", "cuda", "--host", "127.0.0.1",
+           "--port", str(port), "--kv-cache-memory-gb", "4"]
+    with tempfile.TemporaryDirectory() as logs, running("nanoserve", cmd, dict(os.environ), port, logs,
+                                                        timeout=SERVE_LIMIT_S - 30) as (url, _):
+        body = {"model": "nanoserve-tiny", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        answer.raise_for_status()
+        text = answer.json()["choices"][0]["text"]
+    print(f"/v1/completions: {text!r}")
+    return f"answered {len(text)} chars"
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def _timeout(signum, frame):
+    raise TimeoutError("the section ran past its time limit")
+
+
+def run(sections) -> list[tuple[str, str, float, str]]:
+    """Each (name, function, limit in s): its result note, or FAIL with the traceback printed;
+    SKIP once the whole run's TOTAL_LIMIT_S is spent."""
+    results, begin = [], time.perf_counter()
+    signal.signal(signal.SIGALRM, _timeout)
+    for name, fn, limit in sections:
+        left = int(TOTAL_LIMIT_S - (time.perf_counter() - begin))
+        if left <= 0:
+            results.append((name, "SKIP", 0.0, "out of time"))
+            continue
+        print(f"\n=== {name} ===", flush=True)
+        start, status = time.perf_counter(), "ok"
+        signal.alarm(min(limit, left))
+        try:
+            note = fn()
+        except (Exception, SystemExit) as e:  # compare_serving.running exits when the server dies
+            traceback.print_exc()
+            status, note = "FAIL", f"{type(e).__name__}: {e}".splitlines()[0][:70]
+        finally:
+            signal.alarm(0)
+        results.append((name, status, time.perf_counter() - start, note))
+    return results
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        print(f"gpu_smoke: no CUDA device available (torch {torch.__version__} is {build}, "
+              "torch.cuda.is_available() is False): nothing to check here")
+        return 2
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, compute capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB; "
+          f"torch {torch.__version__}, triton {triton.__version__}")
+    results = run([("kernel tests", kernel_tests, KERNEL_TESTS_LIMIT_S), ("warm-up", warm_up, 60),
+                   ("kernels", kernels, 120), ("LLM float32", llm_float32, 150),
+                   ("LLM bfloat16", llm_bfloat16, 60), ("seeded sampling", seeded_sampling, 60),
+                   ("throughput", throughput, 120), ("serve", serve, SERVE_LIMIT_S),
+                   ("past 2^31", past_int32, 60)])
+    print("\n" + "\n".join(f"{name:16} {status:5} {secs:6.1f} s  {note}" for name, status, secs, note in results))
+    return int(any(status != "ok" for _, status, _, _ in results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
