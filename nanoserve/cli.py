@@ -56,9 +56,12 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _trace(args: argparse.Namespace) -> None:
-    from nanoserve.tools.replay import main as replay
-    replay(args.file, step=args.step, speed=args.speed, plot=args.plot, summary=args.summary,
-           chrome=args.chrome, compare=args.compare)
+    from nanoserve.tools import replay, replay_plots     # the frames; the numbers and figures
+    others = dict(with_summary=args.summary, plot=args.plot, chrome=args.chrome,
+                  compare=args.compare)
+    trace = replay.main(args.file, step=args.step, speed=args.speed,
+                        animate=not any(others.values()))
+    replay_plots.main(trace, **others)
 
 
 def _memory(args: argparse.Namespace) -> None:
@@ -101,10 +104,7 @@ def _exercise(args: argparse.Namespace) -> None:
     sys.exit(checks.main(args.action, args.id, args.solution))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="Generate text for one prompt, streamed to the terminal.")
     gen.add_argument("prompt", help="The prompt (with --chat: the user's message).")
     gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template.")
@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     Config.add_cli_args(gen, skip=("seed",))
     gen.set_defaults(func=_generate)
 
+
+def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API "
                          "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
     srv.add_argument("model", nargs="?", default=DEFAULT_MODEL,
@@ -128,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     Config.add_cli_args(srv, skip=("model",))
     srv.set_defaults(func=_serve)
 
+
+def _add_trace(sub) -> None:
     trc = sub.add_parser("trace", help="Replay a --trace file: animated in the terminal (no "
                          "option), one frame, a summary, figures or a Chrome trace.")
     trc.add_argument("file", help="A JSONL trace written with --trace.")
@@ -143,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "on the reference engine): both summaries side by side.")
     trc.set_defaults(func=_trace)
 
+
+def _add_memory(sub) -> None:
     mem = sub.add_parser("memory", help="Do the weights and the KV cache fit? Sizes the KV pool "
                          "with the engine's own code: blocks, tokens, sequences, a verdict.")
     mem.add_argument("model", nargs="?", default=DEFAULT_MODEL,
@@ -163,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         if f.name not in sizing))
     mem.set_defaults(func=_memory)
 
+
+def _add_cost(sub) -> None:
     cst = sub.add_parser("cost", help="Self-host or pay per token? Monthly cost of both, the "
                          "break-even volume and the GPU utilisation there.")
     cst.add_argument("--prices", metavar="FILE", help="JSON with dated prices and their sources "
@@ -181,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "against requests per day.")
     cst.set_defaults(func=_cost)
 
+
+def _add_bench(sub) -> None:
     bch = sub.add_parser("bench", help="Offline throughput on the standard workload (random "
                          "SmolLM2-135M-shaped weights unless --model), against the matmul peak; "
                          "with --serve, latency and throughput of a running server under load.")
@@ -215,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokens/s over time.")
     srv_bch.add_argument("--save-result", metavar="FILE", help="Write the metrics as JSON.")
 
+
+def _add_exercise(sub) -> None:
     exe = sub.add_parser("exercise", help="Check a lesson's build exercise: your file in "
                          "lessons/exercises/ against the exercise's oracle.")
     exe.add_argument("action", choices=("list", "check"), help="list the exercises, or check one.")
@@ -222,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     exe.add_argument("--solution", action="store_true",
                      help="Check the reference solution in lessons/solutions/ instead.")
     exe.set_defaults(func=_exercise)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanoserve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_serve, _add_trace, _add_memory, _add_cost, _add_bench,
+                _add_exercise):
+        add(sub)
     return parser
 
 

@@ -135,6 +135,20 @@ def checkpoint_num_params(path: Path, tied: bool) -> Optional[int]:
     return total
 
 
+def _check_arguments(device_memory_gb: Optional[float], activation_reserve_gb: Optional[float],
+                     tp: int, kv_cache_dtype: str) -> None:
+    """The checks of memory_report's own arguments (Config checks the engine's)."""
+    if device_memory_gb is not None and not device_memory_gb > 0:
+        raise ValueError(f"device_memory_gb must be > 0 (got {device_memory_gb})")
+    if activation_reserve_gb is not None and not activation_reserve_gb >= 0:
+        raise ValueError(f"activation_reserve_gb must be >= 0 (got {activation_reserve_gb})")
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer (got {tp!r})")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+                         f"(got {kv_cache_dtype!r})")
+
+
 def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[float] = None,
                   gpu_memory_utilization: float = 0.9, max_model_len: Optional[int] = None,
                   dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
@@ -147,16 +161,8 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                     kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
                     gpu_memory_utilization=gpu_memory_utilization,
                     max_num_batched_tokens=max_num_batched_tokens)
-    if device_memory_gb is not None and not device_memory_gb > 0:
-        raise ValueError(f"device_memory_gb must be > 0 (got {device_memory_gb})")
-    if activation_reserve_gb is not None and not activation_reserve_gb >= 0:
-        raise ValueError(f"activation_reserve_gb must be >= 0 (got {activation_reserve_gb})")
+    _check_arguments(device_memory_gb, activation_reserve_gb, tensor_parallel_size, kv_cache_dtype)
     tp = tensor_parallel_size
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer (got {tp!r})")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
-                         f"(got {kv_cache_dtype!r})")
     hf_config, checkpoint = load_hf_config(model)
     device_bytes = device_memory_gb * GiB if device_memory_gb is not None else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
