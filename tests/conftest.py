@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random HF checkpoints written with save_pretrained, so the real
-loading code (worker.py) reads them exactly as it reads a downloaded model."""
+loading code (model_runner.py) reads them exactly as it reads a downloaded model."""
 
 import pytest
 import torch
