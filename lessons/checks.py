@@ -90,7 +90,8 @@ def check_kv_sizing(mod, say) -> None:
     cases = [dict(model="nanoserve-tiny"), dict(model=llama, device_memory_gb=24),
              dict(model=llama, device_memory_gb=80, block_size=32),
              dict(model=llama, device_memory_gb=40, kv_cache_dtype="fp8"),
-             dict(model=llama, device_memory_gb=80, tensor_parallel_size=2)]
+             dict(model=llama, device_memory_gb=40, tensor_parallel_size=2)]
+    # (Each under the cap on a GPU's pool, max_useful_kv_blocks: 80 GiB at TP 2 would hit it.)
     for case in cases:
         r = memory_report(**case)
         got = mod.kv_bytes_per_token(r.num_layers, r.num_kv_heads, r.head_dim,

@@ -53,11 +53,14 @@ class Config:
                                       "Default and cap: the model's max_position_embeddings.")
     # -- KV cache ------------------------------------------------------------
     block_size: int = _f(16, "Tokens per KV cache block.")
-    num_kv_blocks: Optional[int] = _f(None, "Override the computed KV pool size (in blocks).")
+    num_kv_blocks: Optional[int] = _f(None, "Override the computed KV pool size (in blocks); "
+                                      "never capped, unlike a pool sized from GPU memory.")
     kv_cache_memory_gb: Optional[float] = _f(None, "KV cache size in GiB. Default: profiled on "
                                              "CUDA, 1 GiB on CPU.")
-    gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory nanoserve may use "
-                                       "(weights + activations + KV cache).")
+    gpu_memory_utilization: float = _f(0.9, "Fraction of the GPU's memory nanoserve may use, "
+                                       "counting what the device holds already (CUDA context, "
+                                       "other processes). The KV pool gets what is left, at most "
+                                       "2 x max_num_seqs sequences of max_model_len.")
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes.")
     # -- scheduler -----------------------------------------------------------
     max_num_seqs: int = _f(64, "Most requests running in one step.")

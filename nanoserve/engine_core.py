@@ -10,7 +10,8 @@ or in a thread of the API server's process (`--no-engine-process`). The loop tak
 request and abort that arrived, steps, and sends the step's outputs as ONE message. An error
 in one step fails only that step's requests; any other error ends the loop, and its last
 message says so (`dead`), so that the front end can fail every open stream instead of
-leaving them waiting.
+leaving them waiting. So does a step's CUDA error (`is_fatal_step_error`): it leaves the device
+unusable, and every later step would fail while /health said healthy.
 
 Lesson: lessons/01-the-map.md
 """
@@ -24,7 +25,7 @@ import traceback
 from typing import Callable, Sequence
 
 from nanoserve.config import Config
-from nanoserve.errors import EngineStepError
+from nanoserve.errors import EngineDeadError, EngineStepError, is_fatal_step_error
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request
 from nanoserve.scheduler import Scheduler
@@ -96,6 +97,8 @@ class EngineCore:
                 request.num_computed_tokens = computed
             failed = [r.request_id for r in scheduler_output.requests]
             self.scheduler.abort(failed)
+            if is_fatal_step_error(e):     # every later step would fail too: the engine is dead
+                raise EngineDeadError(f"the engine cannot go on: {type(e).__name__}: {e}") from e
             raise EngineStepError(f"the engine step failed: {type(e).__name__}: {e}", failed) from e
         update_start = time.perf_counter()
         outputs = self.scheduler.update(scheduler_output, sampled, logprobs)

@@ -5,7 +5,8 @@ classes (and a user catches them with one import):
 
 - `EngineOverloadedError`, `RequestTimeoutError`: AsyncLLM (engine.py) refuses or ends one request.
 - `EngineStepError`: one step failed (engine_core.py); its requests fail, the engine goes on.
-- `EngineDeadError`: the engine core stopped (its loop failed, or its process died): nothing runs.
+- `EngineDeadError`: the engine core stopped (its loop failed, or its process died, or a step hit
+  an error the device cannot recover from: `is_fatal_step_error`): nothing runs.
 - `WorkerError`: a tensor-parallel worker failed or died (executor.py); the step fails with it.
 
 A request that can never run is a plain ValueError naming the field (Processor, engine.py).
@@ -43,3 +44,17 @@ class EngineDeadError(RuntimeError):
 
 class WorkerError(RuntimeError):
     """A worker process failed or died; the executor is unusable from then on."""
+
+
+# What a CUDA error's message says: after one the device's context is unusable, so every later
+# kernel fails too. torch >= 2.8 raises torch.AcceleratorError; older ones a plain RuntimeError.
+FATAL_DEVICE_ERRORS = ("CUDA error", "device-side assert", "illegal memory access")
+
+
+def is_fatal_step_error(e: BaseException) -> bool:
+    """Whether a step's error ends the engine (EngineDeadError), not just that step: a CUDA error,
+    or a tensor-parallel worker lost (WorkerError: its executor is unusable from then on)."""
+    import torch   # here, not at the top: the API server imports this module and never torch
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return (isinstance(e, (WorkerError, accelerator_error))
+            or (isinstance(e, RuntimeError) and any(s in str(e) for s in FATAL_DEVICE_ERRORS)))

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from nanoserve.config import DEFAULT_MODEL
+from nanoserve.models.llama import head_dim_of, num_kv_heads_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_GB = 1.0     # the CPU default: room for ~45k tokens of nanoserve-tiny, fits a laptop
@@ -98,6 +99,27 @@ def gpu_info(device: torch.device) -> Optional[GpuInfo]:
                    torch.cuda.is_bf16_supported(including_emulation=False))
 
 
+class DeviceMemory(NamedTuple):
+    """What the memory profile reads of a device (each called with the torch.device, empty_cache
+    with nothing): torch.cuda's functions on a GPU, a test's stand-ins on a CPU."""
+    mem_get_info: Callable            # (free, total) bytes: every process's use, torch's or not
+    memory_allocated: Callable        # bytes this process's live tensors hold
+    max_memory_allocated: Callable    # their peak since reset_peak_memory_stats
+    reset_peak_memory_stats: Callable
+    empty_cache: Callable             # hand the allocator's unused cached blocks back
+    synchronize: Callable
+
+
+def device_memory(device: torch.device) -> Optional[DeviceMemory]:
+    """The figures ModelRunner's profile sizes the pool with, or None where there is nothing to
+    profile (a CPU: a fixed pool). Tests replace this function to run the profile on CPU."""
+    if device.type != "cuda":
+        return None
+    c = torch.cuda
+    return DeviceMemory(c.mem_get_info, c.memory_allocated, c.max_memory_allocated,
+                        c.reset_peak_memory_stats, c.empty_cache, c.synchronize)
+
+
 def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
     """The model dtype, vLLM's rule. CPU 'auto': float32 (CPUs without bf16 units are slow in
     half precision). CUDA 'auto': the checkpoint's dtype, but a float32 (or unnamed) checkpoint
@@ -120,9 +142,8 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
 
 def kv_cache_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    return 2 * hf_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
+    return (2 * hf_config.num_hidden_layers * num_kv_heads_of(hf_config) * head_dim_of(hf_config)
+            * dtype.itemsize)
 
 
 def num_blocks_for_memory(memory_bytes: float, hf_config, dtype: torch.dtype, block_size: int) -> int:
@@ -131,10 +152,28 @@ def num_blocks_for_memory(memory_bytes: float, hf_config, dtype: torch.dtype, bl
 
 
 def kv_cache_memory_budget(total_bytes: float, gpu_memory_utilization: float,
-                           weight_bytes: float, activation_bytes: float) -> float:
-    """The KV pool's share of a GPU: total x gpu_memory_utilization - weights - peak activations.
+                           used_bytes: float, activation_bytes: float) -> float:
+    """The KV pool's share of a GPU: total x gpu_memory_utilization - used - peak activations.
+    `used` is all the device holds once the weights are loaded (total - free, vLLM's start): the
+    weights, and on a real GPU also what torch does not count (the CUDA context, NCCL buffers,
+    the caching allocator's slack, other processes). `nanoserve memory` knows only the weights.
     May be <= 0 (the model does not fit); the engine and `nanoserve memory` both use it."""
-    return total_bytes * gpu_memory_utilization - weight_bytes - activation_bytes
+    return total_bytes * gpu_memory_utilization - used_bytes - activation_bytes
+
+
+# A pool sized from GPU memory is capped at what the scheduler can ever hold at once, max_num_seqs
+# sequences of max_model_len, x 2: with every seat full, the prefix cache still keeps as many
+# blocks again of finished requests for later hits. Past that, blocks only cost start-up:
+# BlockPool makes a Python object per block, ~1.1 s and ~200 MiB of host RAM per million
+# (measured on a 2-core x86 host); uncapped, nanoserve-tiny in bfloat16 on a 141 GB GPU would get
+# ~7.7 million blocks, ~8 s and ~1.5 GiB.
+KV_BLOCKS_CAP_FACTOR = 2
+
+
+def max_useful_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The cap on a pool sized from GPU memory (never on a given num_kv_blocks or
+    kv_cache_memory_gb); the engine and `nanoserve memory` both use it."""
+    return KV_BLOCKS_CAP_FACTOR * max_num_seqs * -(-max_model_len // block_size)
 
 
 def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tokens: int,

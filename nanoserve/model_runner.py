@@ -32,6 +32,7 @@ Lesson: lessons/06-length-and-memory.md
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -40,8 +41,9 @@ from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.backends import load_backend
 from nanoserve.config import Config
 from nanoserve.distributed import SINGLE, TensorParallel
-from nanoserve.model_loader import (CPU_KV_CACHE_GB, iterate_weights, kv_cache_memory_budget,
-                                    max_len_of, num_blocks_for_memory, resolve_device,
+from nanoserve.model_loader import (CPU_KV_CACHE_GB, DeviceMemory, device_memory,
+                                    iterate_weights, kv_cache_memory_budget, max_len_of,
+                                    max_useful_kv_blocks, num_blocks_for_memory, resolve_device,
                                     resolve_dtype, resolve_model_path)
 from nanoserve.models import get_model_class
 from nanoserve.models.llama import head_dim_of, num_kv_heads_of
@@ -96,48 +98,56 @@ class ModelRunner:
 
     def _num_kv_blocks(self, config: Config) -> int:
         """The pool, per rank: each rank's memory holds its own KV heads (`nanoserve memory
-        --tensor-parallel-size` sizes with the same shard), and all ranks use the smallest."""
+        --tensor-parallel-size` sizes with the same shard), and all ranks use the smallest. A
+        pool sized from GPU memory is capped at what can ever be used (max_useful_kv_blocks)."""
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        if config.kv_cache_memory_gb is not None or self.device.type != "cuda":
-            memory = (config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30
+        shard, memory = self.model.shard_config, device_memory(self.device)
+        if config.kv_cache_memory_gb is not None or memory is None:
+            gb = config.kv_cache_memory_gb or CPU_KV_CACHE_GB
+            blocks = num_blocks_for_memory(gb * 2**30, shard, self.dtype, config.block_size)
         else:
-            memory = self._profile_free_cuda_memory(config)
-        blocks = num_blocks_for_memory(memory, self.model.shard_config, self.dtype, config.block_size)
+            # (A max_model_len past the model's positions: Config.resolve refuses it just after.)
+            max_len = min(config.max_model_len or max_len_of(self.model), max_len_of(self.model))
+            budget = self._profile_free_cuda_memory(config, memory, max_len)
+            blocks = min(num_blocks_for_memory(budget, shard, self.dtype, config.block_size),
+                         max_useful_kv_blocks(config.max_num_seqs, max_len, config.block_size))
         return self.tp.min_int(blocks, self.device) if self.tp.size > 1 else blocks
 
     @torch.inference_mode()
-    def _profile_free_cuda_memory(self, config: Config) -> float:
-        """kv_cache_memory_budget() with the weights and the peak activations measured on a
-        forward of max_num_batched_tokens tokens (with a KV cache just big enough for them)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        n = config.max_num_batched_tokens
-        caches = self._allocate_kv_caches(-(-n // config.block_size))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device),
-            block_tables=torch.arange(-(-n // config.block_size), dtype=torch.int32,
-                                      device=self.device)[None],
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            max_query_len=n)
-        hidden = self.backend.forward(torch.zeros(n, dtype=torch.long, device=self.device),
-                                      torch.arange(n, device=self.device), caches,
-                                      self.backend.build_metadata(meta))
+    def _profile_free_cuda_memory(self, config: Config, memory: DeviceMemory, max_len: int) -> float:
+        """kv_cache_memory_budget() from what the device holds (total - free: what torch does not
+        count, the CUDA context and other processes, is inside the budget, as in vLLM) and the
+        peak a forward of the scheduler's biggest step adds, with a KV cache just big enough.
+        The step is split into sequences of at most max_len tokens, as nano-vllm's warm-up does:
+        one longer sequence would index the RoPE tables past their rows (on CUDA, an assert)."""
+        memory.empty_cache()
+        memory.reset_peak_memory_stats(self.device)
+        n = min(config.max_num_batched_tokens, config.max_num_seqs * max_len)
+        lens = [min(max_len, n - start) for start in range(0, n, max_len)]
+        tables, num_blocks = [], 0
+        for length in lens:
+            tables.append(list(range(num_blocks, num_blocks + -(-length // self.block_size))))
+            num_blocks += len(tables[-1])
+        dummies = [SimpleNamespace(all_token_ids=[0] * k, num_tokens=k) for k in lens]
+        input_ids, positions, meta, _, _ = self.prepare_inputs(
+            SchedulerOutput(dummies, lens, [0] * len(lens), tables))
+        caches = self._allocate_kv_caches(num_blocks)
+        hidden = self.backend.forward(input_ids, positions, caches, self.backend.build_metadata(meta))
         # The logits in the model dtype and the float32 copy a sampling stage makes (TP: rank 0 only).
         logits = self.model.compute_logits(hidden[-config.max_num_seqs:])
         logits = None if logits is None else logits.float()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - weights
+        memory.synchronize(self.device)
         del caches, hidden, logits
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        usable = kv_cache_memory_budget(total, config.gpu_memory_utilization, weights, peak)
+        memory.empty_cache()
+        free, total = memory.mem_get_info(self.device)
+        peak = memory.max_memory_allocated(self.device) - memory.memory_allocated(self.device)
+        usable = kv_cache_memory_budget(total, config.gpu_memory_utilization, total - free, peak)
         if usable <= 0:
             raise ValueError(f"no GPU memory left for the KV cache: {total / 2**30:.1f} GiB x "
-                             f"gpu_memory_utilization {config.gpu_memory_utilization} - weights "
-                             f"{weights / 2**30:.2f} GiB - activations {peak / 2**30:.2f} GiB")
+                             f"gpu_memory_utilization {config.gpu_memory_utilization} - in use "
+                             f"{(total - free) / 2**30:.2f} GiB (weights, CUDA context, other "
+                             f"processes) - activations {peak / 2**30:.2f} GiB")
         return usable
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -248,6 +248,27 @@ def test_engine_step_failure_is_a_500_and_the_server_goes_on(server, monkeypatch
         assert httpx.get(url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("error", [
+    "AcceleratorError: CUDA error: an illegal memory access was encountered",   # torch >= 2.8
+    "RuntimeError: CUDA error: device-side assert triggered"])                  # older torch
+def test_a_cuda_error_in_a_step_kills_the_engine(server, monkeypatch, error):
+    """Unlike a failed step (above), a CUDA error leaves the device unusable: every later step
+    would fail too, so the engine is dead, and /health says so."""
+    import torch
+    kind, message = error.split(": ", 1)
+    engine = AsyncLLM(server.path, **CONFIG, engine_process=False)
+
+    def fail(*args):
+        raise getattr(torch, kind, RuntimeError)(message)
+    monkeypatch.setattr(engine.engine_core.core.runner, "execute_model", fail)
+    with serve(engine, MODEL, KEY) as url:
+        response = raw(SimpleNamespace(url=url), OK)
+        assert response.status_code == 503 and message in response.json()["error"]["message"]
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and message in health.json()["error"]["message"]
+        assert raw(SimpleNamespace(url=url), OK).status_code == 503
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_aborts_and_frees_blocks(server, stream):
     before = metrics(server)["nanoserve:generation_tokens_total"]

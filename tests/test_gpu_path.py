@@ -3,6 +3,8 @@
   - resolve_dtype: vLLM's 'auto' rule on GPUs with and without bf16 (gpu_info replaced by a fake);
   - resolve_device: 'cuda' where torch has none is a ValueError that says why, up to LLM();
   - cuda_device_for_rank: which GPU each tensor-parallel rank takes, and too few GPUs;
+  - the memory profile that sizes the KV pool, on CPU with a stub for the device's figures: its
+    step within the model's positions, the budget from the device's used memory, the cap;
   - the Triton kernels compile for real GPUs (sm_90 in bf16 and float32, sm_75 in float16), with
     the constexprs and warps paged_attention_triton picks, for every launch compile_kernels makes
     (the interpreter cannot see what only the compiler rejects).
@@ -20,9 +22,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanoserve import distributed, model_loader
+from nanoserve import distributed, model_loader, model_runner
+from nanoserve.config import Config
 from nanoserve.distributed import cuda_device_for_rank
-from nanoserve.model_loader import GpuInfo, resolve_device, resolve_dtype
+from nanoserve.model_loader import (DeviceMemory, GpuInfo, max_useful_kv_blocks, resolve_device,
+                                    resolve_dtype)
 
 CUDA = torch.device("cuda")
 H100 = GpuInfo("NVIDIA H100", (9, 0), True)
@@ -88,6 +92,65 @@ def test_local_rank_only_from_a_launcher_of_this_rank(monkeypatch):
     assert distributed._launcher_local_rank(1) is None
     monkeypatch.delenv("RANK")
     assert distributed._launcher_local_rank(7) is None
+
+
+# ------------------------------------------------ the memory profile, on CPU with a stub device
+MiB = 2**20
+# nanoserve-tiny in float32 (the CPU's dtype): 2 x 4 layers x 2 kv_heads x 32 x 4 B x 16 tokens
+BLOCK_BYTES = 32 * 1024
+
+
+def stub_memory(total, free, peak=136 * MiB, current=100 * MiB) -> DeviceMemory:
+    """A device as torch.cuda would report it: `total - free` held (weights, context, other
+    processes), and a profile whose peak rose `peak - current` above what stays allocated."""
+    return DeviceMemory(mem_get_info=lambda device: (free, total),
+                        memory_allocated=lambda device: current,
+                        max_memory_allocated=lambda device: peak,
+                        reset_peak_memory_stats=lambda device: None, empty_cache=lambda: None,
+                        synchronize=lambda device: None)
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    """nanoserve-tiny at Config()'s defaults (512 positions, a 2048-token budget), its pool
+    sized by the profile: 1000 MiB x 0.9 - 800 MiB held - 36 MiB of activations = 64 MiB."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "device_memory", lambda d: stub_memory(1000 * MiB, 200 * MiB))
+        return model_runner.ModelRunner(Config())
+
+
+def test_profile_runs_the_biggest_step_within_the_models_positions(profiled, monkeypatch):
+    # One sequence of 2048 tokens would index the 512-row RoPE tables past their end.
+    assert profiled.config.num_kv_blocks == 64 * MiB // BLOCK_BYTES
+    steps, real = [], profiled.prepare_inputs
+    monkeypatch.setattr(profiled, "prepare_inputs", lambda out: steps.append(out) or real(out))
+    monkeypatch.setattr(model_runner, "device_memory", lambda d: stub_memory(1000 * MiB, 200 * MiB))
+    profiled._num_kv_blocks(Config())
+    profiled._num_kv_blocks(Config(max_model_len=300))
+    profiled._num_kv_blocks(Config(max_model_len=300, max_num_seqs=4))   # never more than it runs
+    assert [s.num_scheduled_tokens for s in steps] == [[512] * 4, [300] * 6 + [248], [300] * 4]
+
+
+def test_budget_counts_what_the_device_holds(profiled, monkeypatch):
+    def blocks(free, **config):
+        monkeypatch.setattr(model_runner, "device_memory", lambda d: stub_memory(1000 * MiB, free))
+        return profiled._num_kv_blocks(Config(**config))
+    assert blocks(200 * MiB) == 64 * MiB // BLOCK_BYTES
+    # 32 MiB more held (another process, the CUDA context): 32 MiB less for the pool.
+    assert blocks(168 * MiB) == 32 * MiB // BLOCK_BYTES
+    with pytest.raises(ValueError, match=r"no GPU memory left.*utilization 0.5.*in use 0.78 GiB"):
+        blocks(200 * MiB, gpu_memory_utilization=0.5)
+
+
+def test_pool_from_a_huge_gpu_is_capped_as_the_calculator_caps_it(profiled, monkeypatch):
+    from nanoserve.tools.memory import memory_report
+    monkeypatch.setattr(model_runner, "device_memory", lambda d: stub_memory(141e9, 140e9))
+    cap = max_useful_kv_blocks(64, 512, 16)        # x 2 of 64 sequences of 32 blocks
+    assert cap == 4096 and profiled._num_kv_blocks(Config()) == cap
+    assert profiled._num_kv_blocks(Config(max_model_len=256, max_num_seqs=8)) == 2 * 8 * 16
+    assert profiled._num_kv_blocks(Config(num_kv_blocks=100_000)) == 100_000   # given: as is
+    assert memory_report(device_memory_gb=141).num_blocks == cap
+    assert memory_report(device_memory_gb=141, max_model_len=256, max_num_seqs=8).num_blocks == 256
 
 
 # -------------------------------------------------------------------------- the kernels compile

@@ -9,7 +9,8 @@ prints is the block count the engine allocates at start-up:
 
     KV budget  = device x gpu_memory_utilization - weights - activation reserve
     KV / token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
-    blocks     = KV budget // (KV / token x block_size)
+    blocks     = KV budget // (KV / token x block_size), at most 2 x max_num_seqs x
+                 ceil(max_model_len / block_size) (max_useful_kv_blocks: all it can use)
 
 Worked example, Llama-3-8B (32 layers, 8 KV heads, head_dim 128) in bfloat16: a token's K and V
 take 2 x 32 x 8 x 128 x 2 = 131,072 bytes (128 KiB), a 16-token block 2 MiB. On an 80 GiB GPU
@@ -42,8 +43,9 @@ from rich.table import Table
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.models import get_model_class
 from nanoserve.models.llama import head_dim_of, shard_for_tp
-from nanoserve.model_loader import (CPU_KV_CACHE_GB, estimate_activation_bytes,
-                                    kv_cache_bytes_per_token, kv_cache_memory_budget, max_len_of,
+from nanoserve.model_loader import (CPU_KV_CACHE_GB, KV_BLOCKS_CAP_FACTOR,
+                                    estimate_activation_bytes, kv_cache_bytes_per_token,
+                                    kv_cache_memory_budget, max_len_of, max_useful_kv_blocks,
                                     num_blocks_for_memory, resolve_dtype, resolve_model_path,
                                     safetensors_files)
 
@@ -180,7 +182,8 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
     shard = shard_for_tp(hf_config, tp)
 
     # The engine's rule (ModelRunner._num_kv_blocks): a given pool size, or without a GPU a fixed
-    # default, is used as is; on a GPU the pool gets what weights and activations leave.
+    # default, is used as is; on a GPU the pool gets what weights and activations leave, capped.
+    resolved = config.resolve(max_position_embeddings=max_len_of(meta), num_kv_blocks=None)
     activation_bytes, activation_from = 0.0, "none: without a GPU nothing is profiled"
     if device_bytes is not None and activation_reserve_gb is not None:
         activation_bytes, activation_from = activation_reserve_gb * GiB, "given"
@@ -189,15 +192,15 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                                                      max_num_seqs, block_size)
         activation_from = f"estimated profile: a forward of {max_num_batched_tokens} tokens"
     if kv_cache_memory_gb is not None or device_bytes is None:
-        kv_budget = (kv_cache_memory_gb or CPU_KV_CACHE_GB) * GiB
+        kv_budget, cap = (kv_cache_memory_gb or CPU_KV_CACHE_GB) * GiB, math.inf
         kv_budget_from = ("kv_cache_memory_gb" if kv_cache_memory_gb is not None
                           else f"the engine's CPU default, {CPU_KV_CACHE_GB} GiB")
-    else:
+    else:     # the weights stand for all the device holds: no context nor other processes here
         kv_budget = kv_cache_memory_budget(device_bytes, gpu_memory_utilization, weight_bytes,
                                            activation_bytes)
         kv_budget_from = "device x utilisation - weights - reserve"
-    num_blocks = max(0, num_blocks_for_memory(kv_budget, shard, kv_dtype, block_size))
-    resolved = config.resolve(max_position_embeddings=max_len_of(meta), num_kv_blocks=None)
+        cap = max_useful_kv_blocks(max_num_seqs, resolved.max_model_len, block_size)
+    num_blocks = max(0, min(num_blocks_for_memory(kv_budget, shard, kv_dtype, block_size), cap))
     return MemoryReport(
         model=model, dtype=model_dtype, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
         num_params=num_params, params_from=params_from, buffer_bytes=buffer_bytes,
@@ -250,7 +253,9 @@ def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
          f"{r.kv_cache_dtype.itemsize} bytes ({str(r.kv_cache_dtype)[6:]})"),
         ("KV bytes / block", f"{r.kv_bytes_per_token * r.block_size:,}",
          f"x block_size {r.block_size}"),
-        ("blocks", f"{r.num_blocks:,}", "KV cache budget // bytes per block"),
+        ("blocks", f"{r.num_blocks:,}", "KV cache budget // bytes per block"
+         if r.num_blocks == max(0, int(r.kv_budget_bytes // (r.kv_bytes_per_token * r.block_size)))
+         else f"capped: {KV_BLOCKS_CAP_FACTOR} x max_num_seqs x {r.blocks_per_seq}, all it can use"),
         ("tokens in the cache", f"{r.num_blocks * r.block_size:,}", "blocks x block_size"),
         ("sequences at once", f"{r.num_seqs:,}",
          f"of max_model_len {r.max_model_len} ({r.blocks_per_seq} blocks each)"
