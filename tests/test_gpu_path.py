@@ -219,3 +219,28 @@ def test_kernels_compile_for_gpus():
                            cwd=os.path.dirname(__file__), env={**os.environ, "TRITON_INTERPRET": "0"},
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-4000:]
+
+
+NO_CPU_BACKEND_ON_CUDA = r"""
+import sys, torch
+from transformers import LlamaConfig
+import nanoserve.cuda.backend as cuda_backend
+from nanoserve.backends import load_backend
+from nanoserve.config import Config
+from nanoserve.models.llama import LlamaForCausalLM
+
+cuda_backend.bind = lambda model, block_size, gemm_paths: "the CUDA backend"  # no GPU to bind here
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2))
+assert load_backend(model, Config(), torch.device("cuda")) == "the CUDA backend"
+print(sorted(m for m in sys.modules if m.startswith("nanoserve.cpu")))
+"""
+
+
+def test_a_cuda_device_never_builds_the_cpu_kernels():
+    """On CUDA the registry takes the CUDA backend alone: nothing of nanoserve/cpu/ is imported,
+    so no rank runs gcc at start-up or warns about slower torch paths (a fresh process: this
+    one has imported the CPU backend already)."""
+    run = subprocess.run([sys.executable, "-c", NO_CPU_BACKEND_ON_CUDA], capture_output=True,
+                         text=True, check=True)
+    assert run.stdout.strip() == "[]"
