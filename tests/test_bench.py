@@ -49,6 +49,8 @@ def test_bench_peak_is_measured_on_the_models_own_gemm_path(checkpoint, capsys):
 
 FAULTS_SCRIPT = """
 import ctypes, resource, sys, torch
+import nanoserve.model_runner  # the engine's imports, as at start-up: a bare process's first
+# heap growth faults a few thousand pages in either case (15k seen), the engine's does not
 from nanoserve.cpu.host_memory import keep_freed_memory
 # glibc's starting point, pinned: blocks over 128 KiB come from mmap and go back on free. (Left
 # alone, glibc's adaptive threshold lands anywhere between the two cases below, run to run.)
