@@ -7,7 +7,8 @@ classes (and a user catches them with one import):
 - `EngineStepError`: one step failed (engine_core.py); its requests fail, the engine goes on.
 - `EngineDeadError`: the engine core stopped (its loop failed, or its process died, or a step hit
   an error the device cannot recover from: `is_fatal_step_error`): nothing runs.
-- `WorkerError`: a tensor-parallel worker failed or died (executor.py); the step fails with it.
+- `WorkerError`: a tensor-parallel worker failed or died (executor.py); the executor is
+  unusable from then on, so it ends the engine too (`is_fatal_step_error`).
 
 A request that can never run is a plain ValueError naming the field (Processor, engine.py).
 The HTTP layer's `APIError` (OpenAI's error JSON and a status code) is not here: it belongs to

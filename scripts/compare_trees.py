@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_vllm import VllmEngine as EngineProcess   # noqa: E402  (a subprocess engine, paused while others run)
+from compare_vllm import EngineProcess   # noqa: E402  (an engine in a subprocess, paused while others run)
 
 from nanoserve.tools.bench import cpu_description, make_checkpoint, make_workload   # noqa: E402
 

@@ -113,9 +113,9 @@ def own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class VllmEngine:
-    """vLLM's LLM in a subprocess of its virtualenv, started and warmed up; `run()` times the
-    workload once there."""
+class EngineProcess:
+    """An engine in a subprocess (`side`: vLLM's LLM in its virtualenv, by default; `env`: its
+    environment), started and warmed up; `run()` times the workload once there."""
 
     def __init__(self, python: str, spec: dict, tmp: str, side: str = VLLM_SIDE,
                  env: dict | None = None):
@@ -214,7 +214,7 @@ def main():
         idle["nanoserve"] += own_cpu_seconds() - before
 
     with tempfile.TemporaryDirectory() as tmp:
-        vllm = VllmEngine(args.vllm_python, spec, tmp)
+        vllm = EngineProcess(args.vllm_python, spec, tmp)
         try:
             take_turns(args.runs, run_ours, run_theirs, lambda i: print(
                 f"round {i + 1}: nanoserve {ours[-1]:.1f}, vLLM {theirs[-1]:.1f} output tok/s "

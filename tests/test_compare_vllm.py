@@ -41,7 +41,7 @@ def test_engines_take_turns_first_place_alternating():
 
 
 def test_vllm_side_is_driven_one_run_per_line(tmp_path):
-    engine = compare_vllm.VllmEngine(sys.executable, {"speeds": [101.5, 99.0, 103.25]},
+    engine = compare_vllm.EngineProcess(sys.executable, {"speeds": [101.5, 99.0, 103.25]},
                                      str(tmp_path), side=FAKE_SIDE)
     try:
         assert [engine.run() for _ in range(3)] == [101.5, 99.0, 103.25]
@@ -53,7 +53,7 @@ def test_vllm_side_is_driven_one_run_per_line(tmp_path):
 def test_a_failing_vllm_side_shows_its_log(tmp_path):
     side = "import sys\nprint('no module named vllm', file=sys.stderr)\nsys.exit(1)\n"
     with pytest.raises(SystemExit, match="no module named vllm"):
-        compare_vllm.VllmEngine(sys.executable, {}, str(tmp_path), side=side)
+        compare_vllm.EngineProcess(sys.executable, {}, str(tmp_path), side=side)
 
 
 def test_cpu_seconds_of_a_process_group():
@@ -73,7 +73,7 @@ def test_cpu_seconds_of_a_process_group():
 def test_a_vllm_side_that_does_not_stop_is_killed_on_close(tmp_path, monkeypatch):
     side = "import sys, time\nprint('READY', flush=True)\nsys.stdin.read()\ntime.sleep(60)\n"
     monkeypatch.setattr(compare_vllm, "CLOSE_TIMEOUT_S", 0.5)
-    engine = compare_vllm.VllmEngine(sys.executable, {}, str(tmp_path), side=side)
+    engine = compare_vllm.EngineProcess(sys.executable, {}, str(tmp_path), side=side)
     start = time.perf_counter()
     engine.close()
     assert engine.proc.returncode == -9 and time.perf_counter() - start < 10
@@ -90,7 +90,7 @@ for _ in sys.stdin:
 
 
 def test_a_paused_vllm_side_uses_no_cpu_and_runs_after(tmp_path):
-    engine = compare_vllm.VllmEngine(sys.executable, {}, str(tmp_path), side=SPINNING_SIDE)
+    engine = compare_vllm.EngineProcess(sys.executable, {}, str(tmp_path), side=SPINNING_SIDE)
     cpu = lambda: compare_vllm.group_cpu_seconds(engine.proc.pid)   # noqa: E731
     try:
         with engine.paused():
@@ -112,7 +112,7 @@ spec = importlib.util.spec_from_file_location("compare_vllm", sys.argv[1])
 compare_vllm = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compare_vllm)
 side = "import sys\nprint('READY', flush=True)\nfor _ in sys.stdin: pass\n"
-engine = compare_vllm.VllmEngine(sys.executable, {}, tempfile.mkdtemp(), side=side)
+engine = compare_vllm.EngineProcess(sys.executable, {}, tempfile.mkdtemp(), side=side)
 print(engine.proc.pid, flush=True)
 with engine.paused():
     time.sleep(60)
