@@ -17,7 +17,11 @@ CPU_BACKEND = PACKAGE / "cpu"
 CUDA_BACKEND = PACKAGE / "cuda"
 TOOLS = PACKAGE / "tools"
 
-CORE_BUDGET = 5000
+# The core's budget: 5,000 lines for the engine the lessons first taught, plus one named share per
+# capability added since, each with its reason (a capability raises only its own share).
+CORE_CAPABILITY_BUDGETS = {
+}
+CORE_BUDGET = 5000 + sum(CORE_CAPABILITY_BUDGETS.values())
 CPU_BACKEND_BUDGET = 3000      # ~1,730 lines of C, ~1,050 of Python (the ops, products, fused step)
 # The Triton kernels and their binding: backend forms of the seam (layers.py) as cpu/ holds the
 # C ones, so they count here and not in the core (whose torch reference is paged_attention.py).
