@@ -206,7 +206,7 @@ class OpenAIServer(Starlette):
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/health", lambda request: Response() if engine.dead_error is None   # 503 and
-                  else APIError(503, str(engine.dead_error)).response()),            # why: stopped
+                  else APIError(503, str(engine.dead_error)).response()),   # why (which rank)
             Route("/metrics", lambda request: Response(generate_latest(self.registry),
                                                        media_type=CONTENT_TYPE_LATEST)),
         ], lifespan=lifespan, exception_handlers={APIError: _error, HTTPException: _error})
@@ -332,9 +332,19 @@ class OpenAIServer(Starlette):
         return JSONResponse(envelope([choice(c, False) for c in whole], generation.usage(), False))
 
     def collect(self):                    # the registry's call, at each scrape
+        """The engine cores' series labelled by data-parallel rank (engine="0", ...), as vLLM
+        labels them; the front end's own counters without a label."""
+        per_engine = self.engine.engine_stats
         for name, value in self.engine.get_stats().items():
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-            yield family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']", value=value)
+            if name not in per_engine[0]:
+                yield family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']", value=value)
+                continue
+            labelled = family(f"nanoserve:{name}", f"AsyncLLM.engine_stats[i]['{name}']",
+                              labels=["engine"])
+            for index, stats in enumerate(per_engine):
+                labelled.add_metric([str(index)], stats[name])
+            yield labelled
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

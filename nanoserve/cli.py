@@ -5,6 +5,7 @@
     nanoserve generate "Hello" --model path/to/checkpoint --max-tokens 64 --temperature 0.8
     nanoserve serve                                       # OpenAI-compatible API on 127.0.0.1:8000
     nanoserve serve path/to/checkpoint --port 8080 --api-key secret --max-model-len 2048
+    nanoserve serve --data-parallel-size 2                # two engine cores, one API server
     nanoserve trace run.jsonl --step 12                   # replay a --trace file (replay.py)
     nanoserve memory path/to/checkpoint --device-memory-gb 80   # do weights + KV cache fit?
     nanoserve cost --prices examples/prices.json --requests-per-day 1e5 ...  # self-host or API?
@@ -48,6 +49,9 @@ def _serve(args: argparse.Namespace) -> None:
     from nanoserve.api import build_app
     from nanoserve.engine import AsyncLLM
     config = Config.from_cli_args(args)
+    if config.headless:              # engine cores only, for an API server on another host
+        from nanoserve.core_client import run_headless
+        return run_headless(config)
     engine = AsyncLLM(**vars(config))
     for role, pid in engine.engine_core.processes:      # the process tree, for ps / kill / top
         print(f"nanoserve serve: {role}: pid {pid}", file=sys.stderr, flush=True)
