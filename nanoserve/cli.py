@@ -163,6 +163,9 @@ def _add_memory(sub) -> None:
                      "bfloat16, float16 or fp8 (vLLM's option; nanoserve stores the model dtype).")
     mem.add_argument("--tensor-parallel-size", type=int, default=1,
                      help="GPUs the model is split over; the figures are per GPU.")
+    mem.add_argument("--data-parallel-size", type=int, default=1, help="Engine cores serving "
+                     "copies of the model (each on its own TP GPUs); the figures are per rank, "
+                     "the last row all of them.")
     mem.add_argument("--activation-reserve-gb", type=float, help="The activation peak in GiB, "
                      "e.g. as the engine measured it (default: estimated from the config).")
     mem.add_argument("--plot", metavar="FILE", help="Write a figure: memory against context "

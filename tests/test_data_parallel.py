@@ -97,6 +97,20 @@ def test_flags_config_checks_and_offline_error():
         LLM(data_parallel_size=2)
 
 
+def test_memory_says_what_each_rank_holds():
+    from rich.console import Console
+
+    from nanoserve.tools.memory import memory_report, print_report
+    one = memory_report(device_memory_gb=24, tensor_parallel_size=2)
+    two = memory_report(device_memory_gb=24, tensor_parallel_size=2, data_parallel_size=2)
+    assert (two.num_blocks, two.weight_bytes) == (one.num_blocks, one.weight_bytes)   # per rank
+    console = Console(record=True, width=300)
+    print_report(two, console)
+    text = console.export_text()
+    assert "per rank (DP 2)" in text and "4 GPUs" in text, text
+    assert f"{2 * two.num_blocks * two.block_size:,} tokens" in text, text
+
+
 def test_a_rank_gets_its_gpus_and_its_share_of_the_cores(monkeypatch):
     import torch
     threads = torch.get_num_threads()

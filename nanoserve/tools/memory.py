@@ -24,6 +24,9 @@ activation reserve is the engine's profile, estimated: `estimate_activation_byte
 With --tensor-parallel-size N everything is per GPU: each holds 1/N of the weights and of the
 KV heads (at least one), as vLLM and the engine's own --tensor-parallel-size shard them
 (models/llama.py `shard_for_tp`). nanoserve stores KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
+With --data-parallel-size D every figure is still per rank: each of the D engine cores holds a
+whole copy (its weights and a KV pool of its own, on its own TP GPUs), and the last row says
+what the D of them hold together.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class MemoryReport:
     num_blocks: int
     max_model_len: int
     max_num_seqs: int
+    data_parallel_size: int = 1      # engine cores, each holding all of the above
 
     @property
     def blocks_per_seq(self) -> int:
@@ -156,13 +160,15 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                   dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                   tensor_parallel_size: int = 1, kv_cache_memory_gb: Optional[float] = None,
                   activation_reserve_gb: Optional[float] = None,
-                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64) -> MemoryReport:
+                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                  data_parallel_size: int = 1) -> MemoryReport:
     """Size the KV pool exactly as the engine would for these settings (see the module doc)."""
     # Config checks what the engine checks (block_size, gpu_memory_utilization, dtype, ...).
     config = Config(model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
                     kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
                     gpu_memory_utilization=gpu_memory_utilization,
-                    max_num_batched_tokens=max_num_batched_tokens)
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    data_parallel_size=data_parallel_size)
     _check_arguments(device_memory_gb, activation_reserve_gb, tensor_parallel_size, kv_cache_dtype)
     tp = tensor_parallel_size
     hf_config, checkpoint = load_hf_config(model)
@@ -210,7 +216,8 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
         num_layers=shard.num_hidden_layers, num_kv_heads=shard.num_key_value_heads,
         head_dim=head_dim_of(shard),
         kv_bytes_per_token=kv_cache_bytes_per_token(shard, kv_dtype), block_size=block_size,
-        num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs)
+        num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs,
+        data_parallel_size=data_parallel_size)
 
 
 def verdict(r: MemoryReport) -> str:
@@ -230,6 +237,7 @@ def verdict(r: MemoryReport) -> str:
 def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
     tp = r.tensor_parallel_size
     per_gpu = f" per GPU (TP {tp}: weights and KV heads split {tp} ways)" if tp > 1 else ""
+    per_gpu += f", per rank (DP {r.data_parallel_size})" if r.data_parallel_size > 1 else ""
     table = Table(title=f"nanoserve memory · {r.model}{per_gpu}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
@@ -262,6 +270,11 @@ def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
          + (f"; the scheduler runs at most max_num_seqs {r.max_num_seqs}"
             if r.num_seqs > r.max_num_seqs else "")),
     ]
+    if (dp := r.data_parallel_size) > 1:
+        rows.append((f"x {dp} data-parallel ranks", f"{dp * tp} GPUs" if r.device_bytes else "",
+                     f"each rank holds all of the above; together {_gib(dp * r.weight_bytes * tp)}"
+                     f" of weights, {dp * r.num_blocks * r.block_size:,} tokens, "
+                     f"{dp * r.num_seqs:,} sequences of max_model_len"))
     for row in rows:
         table.add_row(*row)
     console = console or Console()
