@@ -208,7 +208,8 @@ class AsyncLLM:
             print(out.outputs[0].text, end="")      # each output holds only what is new
 
     The engine core runs its own busy loop, in a process of its own (`engine_process`, the
-    default) or in a thread (core_client.py); this side sends it requests and aborts, and
+    default; with `data_parallel_size` N, N of them, the client balancing requests between
+    them) or in a thread (core_client.py); this side sends it requests and aborts, and
     one task (`_handle_outputs`) takes each step's outputs, turns them into text and puts
     every request's new text on that request's own queue. A failed step fails only the
     requests that were in it; an engine core that stops (an error in its loop, or its
