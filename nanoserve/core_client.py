@@ -159,13 +159,11 @@ class MPClient:
                 if rank not in ready and not proc.is_alive() and not self._socket.poll(1000):
                     raise EngineDeadError(f"the engine core process of data-parallel rank {rank} "
                                           f"exited while starting (exit code {proc.exitcode})")
-        first = ready[0]
-        for rank, other in ready.items():    # config, vocab_size, model_path, stats, device type
-            if (other[0].max_model_len, other[1], other[4]) != (first[0].max_model_len, first[1],
-                                                                 first[4]):
-                raise ValueError(f"data-parallel rank {rank} differs from rank 0 (max_model_len, "
-                                 f"vocab_size, device): {other[0].max_model_len, other[1], other[4]}"
-                                 f" != {first[0].max_model_len, first[1], first[4]}")
+        # (config, vocab_size, model_path, stats, device type, ...): each rank must serve alike
+        seen = {rank: (r[0].max_model_len, r[1], r[4]) for rank, r in sorted(ready.items())}
+        if len(set(seen.values())) > 1:
+            raise ValueError(f"the data-parallel ranks differ in (max_model_len, vocab_size, "
+                             f"device): {seen}; give every host the same model flags")
         return [ready[rank] for rank in range(self.num_engines)]
 
     def send(self, kind: str, payload) -> None:
