@@ -4,7 +4,7 @@
     MPClient.send ---- ZMQ ROUTER, pickles ---->    run_engine_core_process (a DEALER named by rank):
       ("add", [Request]) to the least loaded rank     run_busy_loop(EngineCore): drain, step
       ("abort", ids) to the rank that holds them
-    MPClient.get_output <----------------------     one EngineCoreOutputs per step, a ping when idle
+    MPClient.get_output <----------------------     one EngineCoreOutputs per step
 
 `MPClient` (the default, vLLM V1's layout) starts each engine core in a process of its own, so
 that HTTP, tokenization and detokenization (Python CPU work) never stall the step loop. They are
@@ -26,8 +26,8 @@ Supervision: an engine core exits when its parent's pipe reaches EOF, or when it
 the API server drops (another host), so it never outlives them, even after SIGKILL; it ignores
 SIGINT (Ctrl-C reaches the whole process group: its parent stops it). The API server watches
 each local child's sentinel, and a remote engine core silent for REMOTE_TIMEOUT_S (it pings
-every HEARTBEAT_S) is dead too. A dead rank is reported at once (`dead`, naming the rank):
-the front end fails every open stream and answers 503 from then on.
+after HEARTBEAT_S without a message) is dead too. A dead rank is reported within a second
+(`dead`, naming the rank): the front end fails every open stream, and answers 503 from then on.
 
 Run the tests: `pytest tests/test_api.py -k "engine_core or outlives"`, tests/test_data_parallel.py.
 """
@@ -126,6 +126,7 @@ class MPClient:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._exited: Optional[asyncio.Future] = None    # a local engine core's rank, once dead
         self._recv: Optional[asyncio.Future] = None
+        self._dead_since: Optional[float] = None         # when a rank was first seen dead
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -140,7 +141,6 @@ class MPClient:
                 (f"engine core {rank} worker rank {w}{where}", p) for w, p in enumerate(workers)]
         self._rank_of: dict[str, int] = {}                # unfinished request id -> its rank
         self._unfinished, self._running = [0] * self.num_engines, [0] * self.num_engines
-        self._last_heard = [time.monotonic()] * self.num_engines
 
     def _wait_ready(self) -> list[tuple]:
         """Each rank's "ready" report, rank order (they load the model: wait, but not for a dead
@@ -196,18 +196,18 @@ class MPClient:
         while True:
             if self._recv is None:
                 self._recv = asyncio.ensure_future(self._socket.recv_multipart())
-            await asyncio.wait((self._recv, self._exited), timeout=HEARTBEAT_S,
-                               return_when=asyncio.FIRST_COMPLETED)
-            if self._exited.done() and not self._recv.done():   # its last message (why) may come
-                await asyncio.wait((self._recv,), timeout=1.0)
+            dead = self._dead_rank()
+            if dead is not None and time.monotonic() > self._dead_since + 1.0:
+                return EngineCoreOutputs(dead=True, error=self._why_dead(dead), engine_index=dead)
+            # Once a rank is dead, its last message (why) has a second to come.
+            await asyncio.wait((self._recv,) if dead is not None else (self._recv, self._exited),
+                               timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             if self._recv.done():
                 (identity, frame), self._recv = self._recv.result(), None
                 rank = int(identity)
                 self._last_heard[rank] = time.monotonic()
                 if frame:                                        # (else a ping)
                     return self._track(rank, pickle.loads(frame))
-            elif (rank := self._dead_rank()) is not None:
-                return EngineCoreOutputs(dead=True, error=self._why_dead(rank), engine_index=rank)
 
     def _watch(self) -> None:
         """Start watching each local engine core's sentinel (from the event loop's thread)."""
@@ -216,6 +216,7 @@ class MPClient:
         for rank, (proc, _) in self._procs.items():
             self._loop.add_reader(proc.sentinel, self._on_exit, rank)
         self._socket = zmq.asyncio.Socket.from_socket(self._socket)
+        self._last_heard = [time.monotonic()] * self.num_engines   # pings queued until now
 
     def _on_exit(self, rank: int) -> None:
         self._loop.remove_reader(self._procs[rank][0].sentinel)
@@ -236,11 +237,13 @@ class MPClient:
         return message
 
     def _dead_rank(self) -> Optional[int]:
-        if self._exited.done():
-            return self._exited.result()
+        """A local engine core that exited, or a remote one silent too long (or None)."""
         silent = [r for r in range(self.num_engines) if r not in self._procs
                   and time.monotonic() - self._last_heard[r] > REMOTE_TIMEOUT_S]
-        return silent[0] if silent else None
+        rank = self._exited.result() if self._exited.done() else (silent or [None])[0]
+        if rank is not None and self._dead_since is None:
+            self._dead_since = time.monotonic()
+        return rank
 
     def _why_dead(self, rank: int) -> str:
         if rank not in self._procs:
@@ -326,9 +329,9 @@ def run_engine_core_process(config: Config, address: str, rank: int, local_index
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
     dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)   # the API server is gone
     sock.connect(address)
-    last_sent = [time.monotonic()]
+    remote, last_sent = address.startswith("tcp://"), [time.monotonic()]
 
-    def send(message) -> None:    # None: a ping, so that the API server knows we are alive
+    def send(message) -> None:    # None: a ping (from another host: local ones are watched)
         sock.send(b"" if message is None else pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
         last_sent[0] = time.monotonic()
     try:
@@ -350,7 +353,7 @@ def run_engine_core_process(config: Config, address: str, rank: int, local_index
     def get_inputs(block: bool) -> Inputs:
         items: Inputs = []
         while True:                # idle: wait in HEARTBEAT_S slices; busy: take what is there
-            if time.monotonic() - last_sent[0] >= HEARTBEAT_S:
+            if remote and time.monotonic() - last_sent[0] >= HEARTBEAT_S:
                 send(None)
             ready = dict(poller.poll(int(HEARTBEAT_S * 1000) if block and not items else 0))
             if conn.fileno() in ready or dropped in ready:   # do not outlive either parent

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.core_client import MPClient
+from nanoserve.core_client import REMOTE_TIMEOUT_S, MPClient
 from nanoserve.distributed import free_port, place_data_parallel_rank
 from nanoserve.request import EngineCoreOutput, EngineCoreOutputs
 from test_api import CONFIG, _alive, _descendants, serve
@@ -150,6 +150,18 @@ def test_balancing_fewest_unfinished_waiting_weighs_more_aborts_follow():
     assert client._unfinished == [2, 0, 1] and "0_b" not in client._rank_of
     add("e")
     assert sent[-1][0] == 1
+
+
+def test_a_silent_remote_rank_is_dead():
+    """A rank on a --headless host has no sentinel here: silence past REMOTE_TIMEOUT_S is death."""
+    client = object.__new__(MPClient)
+    client.num_engines, client._procs, client._dead_since = 2, {0: None}, None
+    client._exited = SimpleNamespace(done=lambda: False)
+    client._last_heard = [time.monotonic(), time.monotonic() - REMOTE_TIMEOUT_S / 2]
+    assert client._dead_rank() is None
+    client._last_heard[1] -= REMOTE_TIMEOUT_S
+    assert client._dead_rank() == 1 and client._dead_since is not None
+    assert "rank 1 (on a --headless host)" in client._why_dead(1)
 
 
 def test_dp2_two_engine_cores_greedy_equals_offline_and_both_serve(oracle):
