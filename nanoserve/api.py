@@ -46,10 +46,12 @@ MAX_BODY_BYTES = 8 * 1024 * 1024     # 413 above this: ~1M token ids of JSON, fa
 
 def _api_error(e: Exception) -> APIError:
     """400: refused up front; 408: over request_timeout_s; 500: a failed step (the engine goes
-    on); 503: too many waiting (retry soon) or the engine stopped."""
+    on), or the engine (a data-parallel rank) stopped under the request; 503: too many waiting
+    (retry soon). A request that comes once the engine has stopped is a 503 (`_generate`)."""
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
-    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500}.get(type(e), 503)
+    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500,
+              EngineDeadError: 500}.get(type(e), 503)
     return APIError(status, str(e), param_of(e))
 
 
@@ -320,6 +322,8 @@ class OpenAIServer(Starlette):
                 generation.close()
             yield "data: [DONE]\n\n"
 
+        if self.engine.dead_error is not None:     # nothing will run: unavailable, as /health says
+            raise APIError(503, str(self.engine.dead_error))
         generation = Generation(self, request, request_id, prompts, params)
         try:
             whole = await (generation.start() if stream else generation.collect())

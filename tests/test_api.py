@@ -262,8 +262,8 @@ def test_a_cuda_error_in_a_step_kills_the_engine(server, monkeypatch, error):
         raise getattr(torch, kind, RuntimeError)(message)
     monkeypatch.setattr(engine.engine_core.core.runner, "execute_model", fail)
     with serve(engine, MODEL, KEY) as url:
-        response = raw(SimpleNamespace(url=url), OK)
-        assert response.status_code == 503 and message in response.json()["error"]["message"]
+        response = raw(SimpleNamespace(url=url), OK)    # in flight when the engine died: 500
+        assert response.status_code == 500 and message in response.json()["error"]["message"]
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and message in health.json()["error"]["message"]
         assert raw(SimpleNamespace(url=url), OK).status_code == 503
