@@ -6,6 +6,8 @@
     nanoserve serve                                       # OpenAI-compatible API on 127.0.0.1:8000
     nanoserve serve path/to/checkpoint --port 8080 --api-key secret --max-model-len 2048
     nanoserve serve --data-parallel-size 2                # two engine cores, one API server
+    nanoserve serve --headless --data-parallel-size 2 --data-parallel-rank 1 \
+        --data-parallel-address HOST                      # rank 1 here, the API server on HOST
     nanoserve trace run.jsonl --step 12                   # replay a --trace file (replay.py)
     nanoserve memory path/to/checkpoint --device-memory-gb 80   # do weights + KV cache fit?
     nanoserve cost --prices examples/prices.json --requests-per-day 1e5 ...  # self-host or API?
