@@ -340,7 +340,8 @@ def run_engine_core_process(config: Config, address: str, rank: int, local_index
             place_data_parallel_rank(local_index, ranks_here, config.tensor_parallel_size)
         core = EngineCore(config)
     except Exception as e:        # e.g. a bad model path: the API server raises it
-        traceback.print_exc()
+        if remote:                # and this host's own log says why
+            traceback.print_exc()
         send(("error", e))
         context.destroy(linger=1000)
         return
