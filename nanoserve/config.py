@@ -87,10 +87,12 @@ class Config:
                                  "process each (with its own scheduler, KV cache and TP workers); "
                                  "the API server sends each request to the least loaded one.")
     data_parallel_size_local: Optional[int] = _f(None, "Engine cores this host runs: ranks "
-                                                 "R .. R+N-1 (R: --data-parallel-rank, else 0). "
-                                                 "Default: every rank from R on. The other ranks "
-                                                 "run on --headless hosts.")
-    data_parallel_rank: Optional[int] = _f(None, "With --headless: the first data-parallel rank "
+                                                 "S .. S+N-1 (S: the start rank, else 0). Default: "
+                                                 "every rank from S on. The other ranks run on "
+                                                 "--headless hosts.")
+    data_parallel_start_rank: Optional[int] = _f(None, "With --headless: the first of the "
+                                                 "data-parallel ranks this host runs.")
+    data_parallel_rank: Optional[int] = _f(None, "With --headless: the one data-parallel rank "
                                            "this host runs.")
     data_parallel_address: str = _f("127.0.0.1", "The API server's host, which --headless hosts "
                                     "connect to (ZeroMQ over TCP).")
@@ -140,12 +142,15 @@ class Config:
 
         >>> list(Config(data_parallel_size=4, data_parallel_size_local=2).data_parallel_ranks_here)
         [0, 1]
-        >>> list(Config(data_parallel_size=4, data_parallel_rank=2, headless=True).data_parallel_ranks_here)
+        >>> list(Config(data_parallel_size=4, data_parallel_start_rank=2, headless=True)
+        ...      .data_parallel_ranks_here)
         [2, 3]
         """
-        start = self.data_parallel_rank or 0
-        local = self.data_parallel_size_local
-        return range(start, start + (self.data_parallel_size - start if local is None else local))
+        rank, local = self.data_parallel_rank, self.data_parallel_size_local
+        start = rank if rank is not None else self.data_parallel_start_rank or 0
+        if local is None:
+            local = 1 if rank is not None else self.data_parallel_size - start
+        return range(start, start + local)
 
     def resolve(self, *, max_position_embeddings: int, num_kv_blocks: int) -> "Config":
         """The start-up step: fix the values that depend on the model and the memory.
@@ -189,16 +194,19 @@ def _positive_int(config: Config, name: str) -> None:
 def _check_data_parallel(config: Config) -> None:
     _positive_int(config, "data_parallel_size")
     _positive_int(config, "data_parallel_rpc_port")
-    size, rank, local = (config.data_parallel_size, config.data_parallel_rank,
-                         config.data_parallel_size_local)
-    if rank is not None and not config.headless:
-        raise ValueError("data_parallel_rank is for --headless hosts (the API server's host runs "
-                         "ranks 0 .. data_parallel_size_local - 1)")
-    if config.headless and rank is None:
-        raise ValueError("headless needs data_parallel_rank: the first rank this host runs")
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < size):
-        raise ValueError(f"data_parallel_rank must be in [0, {size}) (got {rank!r})")
-    start = rank or 0
+    size, local = config.data_parallel_size, config.data_parallel_size_local
+    for name in ("data_parallel_rank", "data_parallel_start_rank"):
+        rank = getattr(config, name)
+        if rank is not None and not config.headless:
+            raise ValueError(f"{name} is for --headless hosts (the API server's host runs ranks "
+                             f"0 .. data_parallel_size_local - 1)")
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < size):
+            raise ValueError(f"{name} must be in [0, {size}) (got {rank!r})")
+    if config.data_parallel_rank is not None and (config.data_parallel_start_rank is not None
+                                                  or local not in (None, 1)):
+        raise ValueError("data_parallel_rank names one rank: for several on this host, give "
+                         "data_parallel_start_rank and data_parallel_size_local")
+    start = config.data_parallel_start_rank or 0
     if local is not None and not (isinstance(local, int) and 0 <= local <= size - start):
         raise ValueError(f"data_parallel_size_local must be in [0, {size - start}] (got {local!r})")
     if config.headless and local == 0:

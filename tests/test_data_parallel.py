@@ -82,12 +82,16 @@ def test_flags_config_checks_and_offline_error():
     assert (config.data_parallel_size, config.data_parallel_address,
             config.data_parallel_rpc_port) == (4, "10.0.0.1", 13345)
     assert list(config.data_parallel_ranks_here) == [0, 1] and not config.headless
-    headless = Config.from_cli_args(build_parser().parse_args(
-        ["serve", "--headless", "--data-parallel-size", "4", "--data-parallel-rank", "2"]))
-    assert list(headless.data_parallel_ranks_here) == [2, 3]
+    headless = lambda *flags: list(Config.from_cli_args(build_parser().parse_args(
+        ["serve", "--headless", "--data-parallel-size", "4", *flags])).data_parallel_ranks_here)
+    assert headless("--data-parallel-rank", "1") == [1]                # vLLM's -dpr: one rank
+    assert headless("--data-parallel-start-rank", "2") == [2, 3]       # the rest from 2 on
+    assert headless("--data-parallel-size-local", "4") == [0, 1, 2, 3]   # an API-only head
     for bad, field in [(dict(data_parallel_size=0), "data_parallel_size"),
                        (dict(data_parallel_size=2, data_parallel_rank=1), "data_parallel_rank"),
-                       (dict(headless=True), "data_parallel_rank"),
+                       (dict(data_parallel_size=4, headless=True, data_parallel_rank=1,
+                             data_parallel_size_local=2), "data_parallel_rank"),
+                       (dict(headless=True, data_parallel_size_local=0), "data_parallel_size_local"),
                        (dict(data_parallel_size=2, data_parallel_size_local=3),
                         "data_parallel_size_local"),
                        (dict(data_parallel_size=2, engine_process=False), "data_parallel_size")]:
