@@ -261,8 +261,8 @@ class MPClient:
         if self._loop is not None and not self._loop.is_closed():
             for proc, _ in self._procs.values():
                 self._loop.remove_reader(proc.sentinel)
-        if self._recv is not None:
-            self._recv.cancel()
+            if self._recv is not None:
+                self._recv.cancel()
         stop_engine_cores(self._procs)
         self._zmq.destroy(linger=0)
         self._dir.cleanup()
