@@ -46,10 +46,12 @@ MAX_BODY_BYTES = 8 * 1024 * 1024     # 413 above this: ~1M token ids of JSON, fa
 
 def _api_error(e: Exception) -> APIError:
     """400: refused up front; 408: over request_timeout_s; 500: a failed step (the engine goes
-    on); 503: too many waiting (retry soon) or the engine stopped."""
+    on), or the engine (a data-parallel rank) stopped under the request; 503: too many waiting
+    (retry soon). A request that comes once the engine has stopped is a 503 (`_generate`)."""
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
-    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500}.get(type(e), 503)
+    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500,
+              EngineDeadError: 500}.get(type(e), 503)
     return APIError(status, str(e), param_of(e))
 
 
@@ -206,7 +208,7 @@ class OpenAIServer(Starlette):
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/health", lambda request: Response() if engine.dead_error is None   # 503 and
-                  else APIError(503, str(engine.dead_error)).response()),            # why: stopped
+                  else APIError(503, str(engine.dead_error)).response()),   # why (which rank)
             Route("/metrics", lambda request: Response(generate_latest(self.registry),
                                                        media_type=CONTENT_TYPE_LATEST)),
         ], lifespan=lifespan, exception_handlers={APIError: _error, HTTPException: _error})
@@ -320,6 +322,8 @@ class OpenAIServer(Starlette):
                 generation.close()
             yield "data: [DONE]\n\n"
 
+        if self.engine.dead_error is not None:     # nothing will run: unavailable, as /health says
+            raise APIError(503, str(self.engine.dead_error))
         generation = Generation(self, request, request_id, prompts, params)
         try:
             whole = await (generation.start() if stream else generation.collect())
@@ -332,9 +336,19 @@ class OpenAIServer(Starlette):
         return JSONResponse(envelope([choice(c, False) for c in whole], generation.usage(), False))
 
     def collect(self):                    # the registry's call, at each scrape
+        """The engine cores' series labelled by data-parallel rank (engine="0", ...), as vLLM
+        labels them; the front end's own counters without a label."""
+        per_engine = self.engine.engine_stats
         for name, value in self.engine.get_stats().items():
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-            yield family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']", value=value)
+            if name not in per_engine[0]:
+                yield family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']", value=value)
+                continue
+            labelled = family(f"nanoserve:{name}", f"AsyncLLM.engine_stats[i]['{name}']",
+                              labels=["engine"])
+            for index, stats in enumerate(per_engine):
+                labelled.add_metric([str(index)], stats[name])
+            yield labelled
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

@@ -5,6 +5,9 @@
     nanoserve generate "Hello" --model path/to/checkpoint --max-tokens 64 --temperature 0.8
     nanoserve serve                                       # OpenAI-compatible API on 127.0.0.1:8000
     nanoserve serve path/to/checkpoint --port 8080 --api-key secret --max-model-len 2048
+    nanoserve serve --data-parallel-size 2                # two engine cores, one API server
+    nanoserve serve --headless --data-parallel-size 2 --data-parallel-rank 1 \
+        --data-parallel-address HOST                      # rank 1 here, the API server on HOST
     nanoserve trace run.jsonl --step 12                   # replay a --trace file (replay.py)
     nanoserve memory path/to/checkpoint --device-memory-gb 80   # do weights + KV cache fit?
     nanoserve cost --prices examples/prices.json --requests-per-day 1e5 ...  # self-host or API?
@@ -48,6 +51,9 @@ def _serve(args: argparse.Namespace) -> None:
     from nanoserve.api import build_app
     from nanoserve.engine import AsyncLLM
     config = Config.from_cli_args(args)
+    if config.headless:              # engine cores only, for an API server on another host
+        from nanoserve.core_client import run_headless
+        return run_headless(config)
     engine = AsyncLLM(**vars(config))
     for role, pid in engine.engine_core.processes:      # the process tree, for ps / kill / top
         print(f"nanoserve serve: {role}: pid {pid}", file=sys.stderr, flush=True)
@@ -159,6 +165,9 @@ def _add_memory(sub) -> None:
                      "bfloat16, float16 or fp8 (vLLM's option; nanoserve stores the model dtype).")
     mem.add_argument("--tensor-parallel-size", type=int, default=1,
                      help="GPUs the model is split over; the figures are per GPU.")
+    mem.add_argument("--data-parallel-size", type=int, default=1, help="Engine cores serving "
+                     "copies of the model (each on its own TP GPUs); the figures are per rank, "
+                     "the last row all of them.")
     mem.add_argument("--activation-reserve-gb", type=float, help="The activation peak in GiB, "
                      "e.g. as the engine measured it (default: estimated from the config).")
     mem.add_argument("--plot", metavar="FILE", help="Write a figure: memory against context "

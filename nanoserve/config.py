@@ -82,6 +82,24 @@ class Config:
     engine_process: bool = _f(True, "Serve with the engine core in its own process (vLLM V1's "
                               "layout); --no-engine-process steps it in a thread of the API "
                               "server (lessons, debugging). The offline LLM always steps it itself.")
+    # -- data parallel (the server): one engine core per rank, vLLM's names -----
+    data_parallel_size: int = _f(1, "Serve this many copies of the model, one engine core "
+                                 "process each (with its own scheduler, KV cache and TP workers); "
+                                 "the API server sends each request to the least loaded one.")
+    data_parallel_size_local: Optional[int] = _f(None, "Engine cores this host runs: ranks "
+                                                 "S .. S+N-1 (S: the start rank, else 0). Default: "
+                                                 "every rank from S on. The other ranks run on "
+                                                 "--headless hosts.")
+    data_parallel_start_rank: Optional[int] = _f(None, "With --headless: the first of the "
+                                                 "data-parallel ranks this host runs.")
+    data_parallel_rank: Optional[int] = _f(None, "With --headless: the one data-parallel rank "
+                                           "this host runs.")
+    data_parallel_address: str = _f("127.0.0.1", "The API server's host, which --headless hosts "
+                                    "connect to (ZeroMQ over TCP).")
+    data_parallel_rpc_port: int = _f(29550, "The API server's port for the engine cores of "
+                                     "--headless hosts.")
+    headless: bool = _f(False, "Run engine cores only (no API server): they connect to the API "
+                        "server at --data-parallel-address:--data-parallel-rpc-port.")
 
     def __post_init__(self):
         _positive_int(self, "block_size")
@@ -91,6 +109,7 @@ class Config:
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 (got {self.request_timeout_s})")
         _positive_int(self, "tensor_parallel_size")
+        _check_data_parallel(self)
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
@@ -116,6 +135,22 @@ class Config:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) when enable_chunked_prefill is off")
+
+    @property
+    def data_parallel_ranks_here(self) -> range:
+        """The data-parallel ranks whose engine cores this host runs.
+
+        >>> list(Config(data_parallel_size=4, data_parallel_size_local=2).data_parallel_ranks_here)
+        [0, 1]
+        >>> list(Config(data_parallel_size=4, data_parallel_start_rank=2, headless=True)
+        ...      .data_parallel_ranks_here)
+        [2, 3]
+        """
+        rank, local = self.data_parallel_rank, self.data_parallel_size_local
+        start = rank if rank is not None else self.data_parallel_start_rank or 0
+        if local is None:
+            local = 1 if rank is not None else self.data_parallel_size - start
+        return range(start, start + local)
 
     def resolve(self, *, max_position_embeddings: int, num_kv_blocks: int) -> "Config":
         """The start-up step: fix the values that depend on the model and the memory.
@@ -154,6 +189,31 @@ def _positive_int(config: Config, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer (got {value!r})")
+
+
+def _check_data_parallel(config: Config) -> None:
+    _positive_int(config, "data_parallel_size")
+    _positive_int(config, "data_parallel_rpc_port")
+    size, local = config.data_parallel_size, config.data_parallel_size_local
+    for name in ("data_parallel_rank", "data_parallel_start_rank"):
+        rank = getattr(config, name)
+        if rank is not None and not config.headless:
+            raise ValueError(f"{name} is for --headless hosts (the API server's host runs ranks "
+                             f"0 .. data_parallel_size_local - 1)")
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < size):
+            raise ValueError(f"{name} must be in [0, {size}) (got {rank!r})")
+    if config.data_parallel_rank is not None and (config.data_parallel_start_rank is not None
+                                                  or local not in (None, 1)):
+        raise ValueError("data_parallel_rank names one rank: for several on this host, give "
+                         "data_parallel_start_rank and data_parallel_size_local")
+    start = config.data_parallel_start_rank or 0
+    if local is not None and not (isinstance(local, int) and 0 <= local <= size - start):
+        raise ValueError(f"data_parallel_size_local must be in [0, {size - start}] (got {local!r})")
+    if config.headless and local == 0:
+        raise ValueError("data_parallel_size_local must be >= 1 on a --headless host")
+    if size > 1 and not config.engine_process:
+        raise ValueError("data_parallel_size > 1 needs engine core processes (no "
+                         "--no-engine-process)")
 
 
 def _base_type(annotation: str) -> type:

@@ -1,25 +1,35 @@
-"""core_client.py: how the server's AsyncLLM reaches its engine core, in either process layout.
+"""core_client.py: how the server's AsyncLLM reaches its engine cores, in either process layout.
 
-    API server process (AsyncLLM)                 engine core process
-    MPClient.send ---- ZMQ PUSH, pickles ---->    run_engine_core_process:
-      ("add", [Request]) / ("abort", ids)           run_busy_loop(EngineCore): drain, step
-    MPClient.get_output <---- ZMQ PULL -------      one EngineCoreOutputs per step
+    API server process (AsyncLLM)                   engine core process, one per data-parallel rank
+    MPClient.send ---- ZMQ ROUTER, pickles ---->    run_engine_core_process (a DEALER named by rank):
+      ("add", [Request]) to the least loaded rank     run_busy_loop(EngineCore): drain, step
+      ("abort", ids) to the rank that holds them
+    MPClient.get_output <----------------------     one EngineCoreOutputs per step
 
-`MPClient` (the default, vLLM V1's layout) starts the engine core in a process of its own, so
-that HTTP, tokenization and detokenization (Python CPU work) never stall the step loop. It is
+`MPClient` (the default, vLLM V1's layout) starts each engine core in a process of its own, so
+that HTTP, tokenization and detokenization (Python CPU work) never stall the step loop. They are
 started with "spawn" (a fork of a process running torch's threads may deadlock), which
 re-imports the main module: a script that makes an AsyncLLM needs `if __name__ == "__main__":`.
 `InprocClient` (`--no-engine-process`) runs the same loop in a thread of this process, for
 lessons and debugging (one process to step through). Both offer the same four calls: `send`,
 `get_output`, `shutdown` and, once started, what the front end must know (the resolved
-config, vocab_size, model_path, the first stats, the processes and their pids).
+config, vocab_size, model_path, each engine's first stats, the processes and their pids).
 
-Supervision: the engine core process watches a pipe from the API server and exits when it
-reads EOF, so it never outlives its parent, even one killed with SIGKILL; it ignores SIGINT
-(Ctrl-C reaches the whole process group: the API server stops it). The API server watches
-the child's sentinel: a dead engine core is reported at once (`dead`), never waited on.
+Data parallel (`data_parallel_size` N): N engine cores, each with its own scheduler, KV cache
+and TP workers, behind one ROUTER socket. A new request goes to the rank with the fewest
+unfinished requests, a waiting one counting WAITING_WEIGHT running ones (vLLM's rule; ties go to
+the lowest rank); all children of an n > 1 request go together, so they share its prefix cache,
+and its aborts follow it. Ranks past `data_parallel_size_local` run on other hosts
+(`nanoserve serve --headless`, `run_headless`), over TCP to the same socket.
 
-Run the tests: `pytest tests/test_api.py -k "engine_core or outlives"`.
+Supervision: an engine core exits when its parent's pipe reaches EOF, or when its connection to
+the API server drops (another host), so it never outlives them, even after SIGKILL; it ignores
+SIGINT (Ctrl-C reaches the whole process group: its parent stops it). The API server watches
+each local child's sentinel, and a remote engine core silent for REMOTE_TIMEOUT_S (it pings
+after HEARTBEAT_S without a message) is dead too. A dead rank is reported within a second
+(`dead`, naming the rank): the front end fails every open stream, and answers 503 from then on.
+
+Run the tests: `pytest tests/test_api.py -k "engine_core or outlives"`, tests/test_data_parallel.py.
 """
 
 from __future__ import annotations
@@ -31,19 +41,27 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import tempfile
 import threading
+import time
+import traceback
+from multiprocessing.connection import wait
 from typing import Optional
 
 import zmq
 import zmq.asyncio
 
 from nanoserve.config import Config
+from nanoserve.distributed import place_data_parallel_rank
 from nanoserve.engine_core import EngineCore, Inputs, run_busy_loop
 from nanoserve.errors import EngineDeadError
 from nanoserve.request import EngineCoreOutputs
 
-STOP_TIMEOUT_S = 5       # how long shutdown waits for the engine core before terminating it
+STOP_TIMEOUT_S = 5       # how long shutdown waits for an engine core before terminating it
+HEARTBEAT_S = 1.0        # an engine core that has sent nothing for this long sends a ping
+REMOTE_TIMEOUT_S = 30.0  # a remote engine core silent for this long is dead (its host is gone)
+WAITING_WEIGHT = 4       # in load balancing, a waiting request weighs as much as 4 running ones
 
 
 class InprocClient:
@@ -54,7 +72,7 @@ class InprocClient:
         self.core = EngineCore(config)
         self.config, self.vocab_size, self.model_path = (self.core.config, self.core.vocab_size,
                                                          self.core.model_path)
-        self.stats = self.core.get_stats()
+        self.stats = [self.core.get_stats()]
         self.processes = [("api server + engine core thread", os.getpid())]
         self._inputs: queue.SimpleQueue = queue.SimpleQueue()
         self._outputs: Optional[asyncio.Queue] = None
@@ -87,124 +105,266 @@ class InprocClient:
 
 
 class MPClient:
-    """The engine core in a child process; requests in and outputs out over two ZMQ sockets."""
+    """The engine cores in child processes (or on --headless hosts), one ROUTER socket to all."""
 
     def __init__(self, config: Config):
         self._dir = tempfile.TemporaryDirectory(prefix="nanoserve-")
-        addresses = [f"ipc://{self._dir.name}/{name}" for name in ("input", "output")]
         self._zmq = zmq.Context()
-        self._input, self._output = self._zmq.socket(zmq.PUSH), self._zmq.socket(zmq.PULL)
-        for sock, address in zip((self._input, self._output), addresses):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)   # never drop or block: the queue is the backlog
-            sock.bind(address)
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        # Not daemonic: with tensor parallel it starts the worker processes itself, which a
-        # daemonic process may not. The parent pipe (below) and atexit stop it instead.
-        self.process = context.Process(target=run_engine_core_process, name="nanoserve-engine-core",
-                                       args=(config, *addresses, child_conn))
-        self.process.start()
+        self._socket = self._zmq.socket(zmq.ROUTER)     # sends to, and hears from, each by rank
+        for option in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+            self._socket.setsockopt(option, 0)          # never drop or block: queues are the backlog
+        address = f"ipc://{self._dir.name}/engine-cores"
+        self._socket.bind(address)
+        self.num_engines, ranks_here = config.data_parallel_size, config.data_parallel_ranks_here
+        if len(ranks_here) < self.num_engines:          # the others connect from --headless hosts
+            remote = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
+            self._socket.bind(remote)
+            print(f"nanoserve serve: waiting for the engine cores of data-parallel ranks "
+                  f"{len(ranks_here)}..{self.num_engines - 1} at {remote}", file=sys.stderr)
+        self._procs = start_engine_cores(config, address)
         atexit.register(self.shutdown)
-        child_conn.close()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._exited: Optional[asyncio.Future] = None
+        self._exited: Optional[asyncio.Future] = None    # a local engine core's rank, once dead
+        self._recv: Optional[asyncio.Future] = None
+        self._dead_since: Optional[float] = None         # when a rank was first seen dead
         try:
-            while not self._conn.poll(0.1):    # it loads the model: wait, but not for a dead child
-                if not self.process.is_alive():
-                    raise EOFError
-            kind, payload = self._conn.recv()
-        except EOFError:
+            ready = self._wait_ready()
+        except BaseException:
             self.shutdown()
-            raise EngineDeadError(f"the engine core process exited while starting (exit code "
-                                  f"{self.process.exitcode})") from None
-        if kind == "error":
-            self.shutdown()
-            raise payload
-        self.config, self.vocab_size, self.model_path, self.stats, workers = payload
-        self.processes = [("api server", os.getpid()), ("engine core", self.process.pid)] + [
-            (f"worker rank {rank}", pid) for rank, pid in enumerate(workers)]
+            raise
+        self.config, self.vocab_size, self.model_path = ready[0][:3]
+        self.stats = [r[3] for r in ready]
+        self.processes = [("api server", os.getpid())]
+        for rank, (*_, pid, workers) in enumerate(ready):
+            where = "" if rank in self._procs else " (--headless host)"
+            self.processes += [(f"engine core {rank}{where}", pid)] + [
+                (f"engine core {rank} worker rank {w}{where}", p) for w, p in enumerate(workers)]
+        self._rank_of: dict[str, int] = {}                # unfinished request id -> its rank
+        self._unfinished, self._running = [0] * self.num_engines, [0] * self.num_engines
+
+    def _wait_ready(self) -> list[tuple]:
+        """Each rank's "ready" report, rank order (they load the model: wait, but not for a dead
+        child); raises the error of one that failed to start."""
+        ready: dict[int, tuple] = {}
+        while len(ready) < self.num_engines:
+            if self._socket.poll(100):
+                identity, frame = self._socket.recv_multipart()
+                if frame:                                 # (else a ping)
+                    kind, payload = pickle.loads(frame)
+                    if kind == "error":
+                        raise payload
+                    ready[int(identity)] = payload
+                continue
+            for rank, (proc, _) in self._procs.items():
+                if rank not in ready and not proc.is_alive() and not self._socket.poll(1000):
+                    raise EngineDeadError(f"the engine core process of data-parallel rank {rank} "
+                                          f"exited while starting (exit code {proc.exitcode})")
+        # (config, vocab_size, model_path, stats, device type, ...): each rank must serve alike
+        seen = {rank: (r[0].max_model_len, r[1], r[4]) for rank, r in sorted(ready.items())}
+        if len(set(seen.values())) > 1:
+            raise ValueError(f"the data-parallel ranks differ in (max_model_len, vocab_size, "
+                             f"device): {seen}; give every host the same model flags")
+        return [ready[rank] for rank in range(self.num_engines)]
 
     def send(self, kind: str, payload) -> None:
-        try:
-            self._input.send(pickle.dumps((kind, payload), pickle.HIGHEST_PROTOCOL), zmq.NOBLOCK)
-        except zmq.Again:    # no engine core connected: it died, and get_output says so
-            pass
+        if kind == "add":    # one request's children (n > 1) all go to one rank
+            rank = min(range(self.num_engines), key=lambda r: (self._load(r), r))
+            self._rank_of.update((request.request_id, rank) for request in payload)
+            self._unfinished[rank] += len(payload)
+            self._send(rank, kind, payload)
+            return
+        by_rank: dict[int, list] = {}
+        for request_id in payload:           # an abort goes where its request is (if unfinished)
+            if (rank := self._rank_of.get(request_id)) is not None:
+                by_rank.setdefault(rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            self._send(rank, kind, ids)
+
+    def _load(self, rank: int) -> int:
+        """Unfinished requests of `rank`, those not running (waiting) counted WAITING_WEIGHT times."""
+        running = min(self._running[rank], self._unfinished[rank])
+        return WAITING_WEIGHT * (self._unfinished[rank] - running) + running
+
+    def _send(self, rank: int, kind: str, payload) -> None:
+        # A rank that is gone drops it silently (ROUTER); get_output says it died.
+        self._socket.send_multipart([str(rank).encode(),
+                                     pickle.dumps((kind, payload), pickle.HIGHEST_PROTOCOL)])
 
     async def get_output(self) -> EngineCoreOutputs:
         if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self._exited = self._loop.create_future()
-            self._loop.add_reader(self.process.sentinel, self._on_exit)
-            self._output = zmq.asyncio.Socket.from_socket(self._output)
-        recv = asyncio.ensure_future(self._output.recv())
-        await asyncio.wait((recv, self._exited), return_when=asyncio.FIRST_COMPLETED)
-        if not recv.done():                # it exited; its last message (why) may be on the way
-            await asyncio.wait((recv,), timeout=1.0)
-        if recv.done():
-            return pickle.loads(recv.result())
-        recv.cancel()
-        return EngineCoreOutputs(dead=True, error=f"the engine core process (pid "
-                                 f"{self.process.pid}) died, exit code {self.process.exitcode}")
+            self._watch()
+        while True:
+            if self._recv is None:
+                self._recv = asyncio.ensure_future(self._socket.recv_multipart())
+            dead = self._dead_rank()
+            if dead is not None and time.monotonic() > self._dead_since + 1.0:
+                return EngineCoreOutputs(dead=True, error=self._why_dead(dead), engine_index=dead)
+            # Once a rank is dead, its last message (why) has a second to come.
+            await asyncio.wait((self._recv,) if dead is not None else (self._recv, self._exited),
+                               timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if self._recv.done():
+                (identity, frame), self._recv = self._recv.result(), None
+                rank = int(identity)
+                self._last_heard[rank] = time.monotonic()
+                if frame:                                        # (else a ping)
+                    return self._track(rank, pickle.loads(frame))
 
-    def _on_exit(self) -> None:
-        self._loop.remove_reader(self.process.sentinel)
+    def _watch(self) -> None:
+        """Start watching each local engine core's sentinel (from the event loop's thread)."""
+        self._loop = asyncio.get_running_loop()
+        self._exited = self._loop.create_future()
+        for rank, (proc, _) in self._procs.items():
+            self._loop.add_reader(proc.sentinel, self._on_exit, rank)
+        self._socket = zmq.asyncio.Socket.from_socket(self._socket)
+        self._last_heard = [time.monotonic()] * self.num_engines   # pings queued until now
+
+    def _on_exit(self, rank: int) -> None:
+        self._loop.remove_reader(self._procs[rank][0].sentinel)
         if not self._exited.done():
-            self._exited.set_result(None)
+            self._exited.set_result(rank)
+
+    def _track(self, rank: int, message: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Bookkeeping for balancing: what finished leaves its rank; the rank's running count."""
+        message.engine_index = rank
+        if message.dead:
+            message.error = f"data-parallel rank {rank}: {message.error}"
+        if message.stats:
+            self._running[rank] = message.stats["num_requests_running"]
+        done = [o.request_id for o in message.outputs if o.finish_reason is not None]
+        for request_id in done + list(message.failed):
+            if self._rank_of.pop(request_id, None) is not None:
+                self._unfinished[rank] -= 1
+        return message
+
+    def _dead_rank(self) -> Optional[int]:
+        """A local engine core that exited, or a remote one silent too long (or None)."""
+        silent = [r for r in range(self.num_engines) if r not in self._procs
+                  and time.monotonic() - self._last_heard[r] > REMOTE_TIMEOUT_S]
+        rank = self._exited.result() if self._exited.done() else (silent or [None])[0]
+        if rank is not None and self._dead_since is None:
+            self._dead_since = time.monotonic()
+        return rank
+
+    def _why_dead(self, rank: int) -> str:
+        if rank not in self._procs:
+            return (f"the engine core of data-parallel rank {rank} (on a --headless host) sent "
+                    f"nothing for {REMOTE_TIMEOUT_S:g} s")
+        proc = self._procs[rank][0]
+        return (f"the engine core process of data-parallel rank {rank} (pid {proc.pid}) died, "
+                f"exit code {proc.exitcode}")
 
     def shutdown(self) -> None:
-        """Ask the engine core to stop; terminate, then kill it if it does not."""
+        """Stop the local engine cores; closing the socket stops the remote ones."""
         atexit.unregister(self.shutdown)
         if self._dir is None:               # already shut down
             return
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self.process.sentinel)
-        if self.process.is_alive():
-            self.send("shutdown", None)
-            self.process.join(STOP_TIMEOUT_S)
-        for stop in (self.process.terminate, self.process.kill):
-            if self.process.is_alive():
-                stop()
-                self.process.join(STOP_TIMEOUT_S)
+            for proc, _ in self._procs.values():
+                self._loop.remove_reader(proc.sentinel)
+            if self._recv is not None:
+                self._recv.cancel()
+        stop_engine_cores(self._procs)
         self._zmq.destroy(linger=0)
         self._dir.cleanup()
         self._dir = None
 
 
-def run_engine_core_process(config: Config, input_address: str, output_address: str,
-                            conn) -> None:
-    """The engine core process: build the core, say "ready" (or why not) on the pipe, then run
-    the busy loop until told to stop or the parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def start_engine_cores(config: Config, address: str) -> dict[int, tuple]:
+    """Spawn this host's engine cores (`config.data_parallel_ranks_here`), each connecting to
+    `address`: {rank: (process, our end of its lifeline pipe)}."""
+    context = multiprocessing.get_context("spawn")
+    procs = {}
+    for local_index, rank in enumerate(config.data_parallel_ranks_here):
+        conn, child_conn = context.Pipe()
+        # Not daemonic: with tensor parallel it starts the worker processes itself, which a
+        # daemonic process may not. The pipe (EOF when we are gone) stops it instead.
+        proc = context.Process(target=run_engine_core_process, name=f"nanoserve-engine-core-{rank}",
+                               args=(config, address, rank, local_index, child_conn))
+        proc.start()
+        child_conn.close()
+        procs[rank] = (proc, conn)
+    return procs
+
+
+def stop_engine_cores(procs: dict[int, tuple]) -> None:
+    """Close each lifeline pipe (an engine core stops at its EOF); terminate, then kill, the
+    ones still there."""
+    for _, conn in procs.values():
+        conn.close()
+    for proc, _ in procs.values():
+        proc.join(STOP_TIMEOUT_S)
+        for stop in (proc.terminate, proc.kill):
+            if proc.is_alive():
+                stop()
+                proc.join(STOP_TIMEOUT_S)
+
+
+def run_headless(config: Config) -> None:
+    """`nanoserve serve --headless`: this host's engine cores, serving the API server at
+    data_parallel_address:data_parallel_rpc_port, until one of them exits (the API server
+    stopped, or it died) or this process is stopped (SIGTERM, Ctrl-C): then all of them."""
+    address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
+    procs = start_engine_cores(config, address)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # exit through `finally`
+    for rank, (proc, _) in procs.items():
+        print(f"nanoserve serve --headless: engine core {rank}: pid {proc.pid}, for {address}",
+              file=sys.stderr, flush=True)
     try:
-        core = EngineCore(config)
-    except Exception as e:                 # e.g. a bad model path: the API server raises it
-        conn.send(("error", e))
-        return
+        wait([proc.sentinel for proc, _ in procs.values()])
+    finally:
+        stop_engine_cores(procs)
+
+
+def run_engine_core_process(config: Config, address: str, rank: int, local_index: int,
+                            conn) -> None:
+    """The engine core process of data-parallel `rank`: build the core, say "ready" (or why
+    not) to the API server, then run the busy loop until told to stop or a parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     context = zmq.Context()
-    inputs, outputs = context.socket(zmq.PULL), context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    inputs.connect(input_address)
-    outputs.connect(output_address)
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, str(rank).encode())
+    sock.setsockopt(zmq.SNDHWM, 0)
+    # ZMTP heartbeats: an API server's host that vanishes without closing TCP drops too.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
+    dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)   # the API server is gone
+    sock.connect(address)
+    remote, last_sent = address.startswith("tcp://"), [time.monotonic()]
+
+    def send(message) -> None:    # None: a ping (from another host: local ones are watched)
+        sock.send(b"" if message is None else pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+        last_sent[0] = time.monotonic()
+    try:
+        ranks_here = len(config.data_parallel_ranks_here)
+        if ranks_here > 1:        # its share of this host's GPUs or cores
+            place_data_parallel_rank(local_index, ranks_here, config.tensor_parallel_size)
+        core = EngineCore(config)
+    except Exception as e:        # e.g. a bad model path: the API server raises it
+        if remote:                # and this host's own log says why
+            traceback.print_exc()
+        send(("error", e))
+        context.destroy(linger=1000)
+        return
     poller = zmq.Poller()
-    poller.register(inputs, zmq.POLLIN)
-    poller.register(conn.fileno(), zmq.POLLIN)
-    conn.send(("ready", (core.config, core.vocab_size, core.model_path, core.get_stats(),
-                         core.worker_pids())))
+    for source in (sock, dropped, conn.fileno()):
+        poller.register(source, zmq.POLLIN)
+    send(("ready", (core.config, core.vocab_size, core.model_path, core.get_stats(),
+                    core.runner.device.type, os.getpid(), core.worker_pids())))
 
     def get_inputs(block: bool) -> Inputs:
         items: Inputs = []
-        while True:                        # idle: wait in 1 s slices; busy: take what is there
-            ready = dict(poller.poll(1000 if block and not items else 0))
-            if conn.fileno() in ready:     # EOF: the API server is gone, do not outlive it
+        while True:                # idle: wait in HEARTBEAT_S slices; busy: take what is there
+            if remote and time.monotonic() - last_sent[0] >= HEARTBEAT_S:
+                send(None)
+            ready = dict(poller.poll(int(HEARTBEAT_S * 1000) if block and not items else 0))
+            if conn.fileno() in ready or dropped in ready:   # do not outlive either parent
                 return [("shutdown", None)]
-            if inputs in ready:
-                items.append(pickle.loads(inputs.recv()))
+            if sock in ready:
+                items.append(pickle.loads(sock.recv()))
             elif items or not block:
                 return items
 
     try:
-        run_busy_loop(core, get_inputs, lambda message: outputs.send(
-            pickle.dumps(message, pickle.HIGHEST_PROTOCOL)))
+        run_busy_loop(core, get_inputs, send)
     finally:
         context.destroy(linger=1000)       # let the last message (e.g. why it died) go out

@@ -89,16 +89,30 @@ def _launcher_local_rank(rank: int) -> Optional[int]:
     return None
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str, device: str) -> torch.device:
+def place_data_parallel_rank(local_index: int, num_local: int, tensor_parallel_size: int) -> None:
+    """Give the `local_index`-th of this host's `num_local` engine cores its share of the host,
+    before CUDA starts (its TP workers inherit it): on CUDA the GPUs local_index * TP ..
+    local_index * TP + TP - 1 of those visible (CUDA_VISIBLE_DEVICES, as vLLM does), on a CPU
+    1/num_local of the cores (its TP workers split that share again: init_tensor_parallel)."""
+    tp = tensor_parallel_size
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(num_local * tp)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[local_index * tp:(local_index + 1) * tp])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_local))
+
+
+def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
+                         num_engine_cores: int = 1) -> torch.device:
     """Join the group as `rank` and return this rank's device: on CUDA one GPU per rank and
-    NCCL; on CPU gloo, with the cores shared out (N ranks each using every core would fight
-    over them: on 2 cores with N=2, one thread each)."""
+    NCCL; on CPU gloo, with the cores shared out among every rank of every engine core of this
+    host (N ranks each using every core would fight over them: on 2 cores with N=2, one
+    thread each)."""
     if device == "cuda":
         index = cuda_device_for_rank(rank, size, torch.cuda.device_count(), _launcher_local_rank(rank))
         torch.cuda.set_device(index)
         backend, dev = "nccl", torch.device("cuda", index)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size * num_engine_cores)))
         backend, dev = "gloo", torch.device("cpu")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             device_id=dev if backend == "nccl" else None)

@@ -114,6 +114,10 @@ class LLM:
     The engine core lives in this process and `LLM` steps it itself."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs):
+        if kwargs.get("data_parallel_size", 1) != 1:
+            raise ValueError("data_parallel_size: the offline LLM steps one engine core itself; "
+                             "for data parallel use the server: nanoserve serve "
+                             "--data-parallel-size N")
         self.engine = EngineCore(Config(model=model, **kwargs))
         self.config = self.engine.config
         self.tokenizer = load_tokenizer(self.config, self.engine.model_path)
@@ -204,7 +208,8 @@ class AsyncLLM:
             print(out.outputs[0].text, end="")      # each output holds only what is new
 
     The engine core runs its own busy loop, in a process of its own (`engine_process`, the
-    default) or in a thread (core_client.py); this side sends it requests and aborts, and
+    default; with `data_parallel_size` N, N of them, the client balancing requests between
+    them) or in a thread (core_client.py); this side sends it requests and aborts, and
     one task (`_handle_outputs`) takes each step's outputs, turns them into text and puts
     every request's new text on that request's own queue. A failed step fails only the
     requests that were in it; an engine core that stops (an error in its loop, or its
@@ -220,7 +225,7 @@ class AsyncLLM:
         self.processor = Processor(self.config, self.tokenizer, self.engine_core.vocab_size,
                                    self.engine_core.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.stats = self.engine_core.stats             # the engine's, as of its last message
+        self.engine_stats = list(self.engine_core.stats)   # each rank's, as of its last message
         self.dead_error: Optional[EngineDeadError] = None
         self._streams: dict[str, asyncio.Queue] = {}    # request id -> its outputs
         self._output_task: Optional[asyncio.Task] = None
@@ -283,7 +288,12 @@ class AsyncLLM:
             "it was aborted"))
 
     def get_stats(self) -> dict:
-        return {**self.stats, "prompt_tokens_total": self.num_prompt_tokens_total,
+        """The front end's counters, and the engine cores' stats summed over data-parallel
+        ranks (kv_cache_usage_perc: their mean; `engine_stats` has each rank's)."""
+        engines = {name: sum(stats[name] for stats in self.engine_stats)
+                   for name in self.engine_stats[0]}
+        engines["kv_cache_usage_perc"] /= len(self.engine_stats)
+        return {**engines, "prompt_tokens_total": self.num_prompt_tokens_total,
                 "generation_tokens_total": self.output_processor.num_generation_tokens_total,
                 "requests_rejected_total": self.num_requests_rejected_total,
                 "requests_timed_out_total": self.num_requests_timed_out_total}
@@ -302,7 +312,7 @@ class AsyncLLM:
                 message = await self.engine_core.get_output()
                 if message.dead:
                     raise EngineDeadError(f"the engine core stopped: {message.error}")
-                self.stats = message.stats
+                self.engine_stats[message.engine_index] = message.stats
                 for child_id, error in message.failed.items():
                     self._fail(child_id, error)
                 outputs, stopped = self.output_processor.process_outputs(message.outputs)

@@ -115,13 +115,15 @@ class EngineCoreOutput:
 class EngineCoreOutputs:
     """Everything one pass of the engine core's loop has to say, sent as ONE message: the step's
     outputs, the requests that failed (id -> the error their front end raises), the engine's
-    stats for /metrics, and `dead` when the loop itself stopped (then `error` says why)."""
+    stats for /metrics, and `dead` when the loop itself stopped (then `error` says why).
+    `engine_index`: the data-parallel rank it came from (the client sets it)."""
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     failed: dict[str, Exception] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
     dead: bool = False
     error: Optional[str] = None
+    engine_index: int = 0
 
 
 def fit_error(config: Config, prompt_len: int, max_tokens: Optional[int]) -> Optional[str]:

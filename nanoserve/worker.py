@@ -51,7 +51,8 @@ class Worker:
 
     def __init__(self, config: Config, rank: int, init_method: str):
         size = config.tensor_parallel_size
-        device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device))
+        device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device),
+                                      len(config.data_parallel_ranks_here))
         self.runner = ModelRunner(config, TensorParallel(rank, size), device)
 
     def describe(self) -> RunnerInfo:

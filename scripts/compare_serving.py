@@ -3,6 +3,8 @@ one after the other on this machine, in one table.
 
     python scripts/compare_serving.py                                   # nanoserve alone
     python scripts/compare_serving.py --vllm-python ~/vllm-venv/bin/python --plot-dir figures
+    python scripts/compare_serving.py --layout DP=1: --layout "DP=2:--data-parallel-size 2" \
+        --layout "TP=2:--tensor-parallel-size 2"          # nanoserve's process layouts, in turn
 
 Each server gets the same checkpoint (default: random SmolLM2-135M-shaped weights with a
 word-level tokenizer, nanoserve.tools.bench.make_checkpoint()), bfloat16, 4 GiB of KV cache and
@@ -23,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -104,7 +107,8 @@ def print_table(all_runs: dict, sizes: dict) -> None:
         for server, runs in all_runs.items():
             m = runs[load][1]
             e2e = m["e2e_ms"]["p50"]
-            table.add_row(f"{sizes[load]} requests, {arrivals}" if server == "nanoserve" else "",
+            first = server == next(iter(all_runs))
+            table.add_row(f"{sizes[load]} requests, {arrivals}" if first else "",
                           server, f"{m['output_throughput']:.1f}",
                           f"{ms(m['ttft_ms']['p50'])} / {ms(m['ttft_ms']['p99'])}",
                           f"{ms(m['itl_ms']['p50'])} / {ms(m['itl_ms']['p99'])}",
@@ -127,6 +131,10 @@ def main():
     parser.add_argument("--plot-dir", help="write each load's latency CDFs, both servers on one "
                         "figure, to DIR/serving-<load>.png")
     parser.add_argument("--save-result", metavar="FILE", help="write every metric as JSON")
+    parser.add_argument("--layout", action="append", metavar="NAME:FLAGS", help="a nanoserve "
+                        "server named NAME, started with these extra `nanoserve serve` flags, e.g. "
+                        "'DP=2:--data-parallel-size 2'; repeat to compare layouts (default: one, "
+                        "'nanoserve', with none)")
     parser.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for "
                         "a server's /health")
     args = parser.parse_args()
@@ -134,9 +142,10 @@ def main():
     ckpt, sizes = args.checkpoint or str(make_checkpoint()), dict(zip(LOADS, args.num_prompts))
     common = ["--dtype", args.dtype, "--max-model-len", "1024"]
     port = free_port()
-    servers = {"nanoserve": ([sys.executable, "-m", "nanoserve.cli", "serve", ckpt, "--port",
-                              str(port), "--kv-cache-memory-gb", f"{args.kv_cache_memory_gb:g}",
-                              *common], dict(os.environ))}
+    servers = {name: ([sys.executable, "-m", "nanoserve.cli", "serve", ckpt, "--port", str(port),
+                       "--kv-cache-memory-gb", f"{args.kv_cache_memory_gb:g}", *common,
+                       *shlex.split(flags)], dict(os.environ))
+               for name, flags in (layout.split(":", 1) for layout in args.layout or ["nanoserve:"])}
     if args.vllm_python:
         servers["vLLM CPU"] = ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                                 "--model", ckpt, "--host", "127.0.0.1", "--port", str(port),

@@ -262,8 +262,8 @@ def test_a_cuda_error_in_a_step_kills_the_engine(server, monkeypatch, error):
         raise getattr(torch, kind, RuntimeError)(message)
     monkeypatch.setattr(engine.engine_core.core.runner, "execute_model", fail)
     with serve(engine, MODEL, KEY) as url:
-        response = raw(SimpleNamespace(url=url), OK)
-        assert response.status_code == 503 and message in response.json()["error"]["message"]
+        response = raw(SimpleNamespace(url=url), OK)    # in flight when the engine died: 500
+        assert response.status_code == 500 and message in response.json()["error"]["message"]
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and message in health.json()["error"]["message"]
         assert raw(SimpleNamespace(url=url), OK).status_code == 503
@@ -338,7 +338,7 @@ def test_dead_engine_core_process_fails_open_streams_and_health(server):
     """SIGKILL the engine core process mid-stream: the open stream ends with an error, /health
     turns 503 and a new request is refused, within seconds, instead of everyone waiting."""
     engine = AsyncLLM(server.path, **CONFIG)
-    ((_, pid),) = [p for p in engine.engine_core.processes if p[0] == "engine core"]
+    ((_, pid),) = [p for p in engine.engine_core.processes if p[0] == "engine core 0"]
     with serve(engine, MODEL, KEY) as url:
         assert httpx.get(url + "/health").status_code == 200
         body = {**OK, "max_tokens": 240, "stream": True, "ignore_eos": True}
@@ -419,10 +419,10 @@ def test_serve_logs_its_processes_and_none_outlives_it(server, sig):
                 roles[m.group(1)] = int(m.group(2))
             if "Uvicorn running" in line or "Application startup complete" in line:
                 break
-        assert roles.keys() == {"api server", "engine core"} and roles["api server"] == proc.pid
+        assert roles.keys() == {"api server", "engine core 0"} and roles["api server"] == proc.pid
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         tree = _descendants(proc.pid)
-        assert roles["engine core"] in tree
+        assert roles["engine core 0"] in tree
         proc.send_signal(sig)
         assert proc.wait(30) in (0, -sig)   # uvicorn re-raises SIGTERM once it has shut down
         deadline = time.monotonic() + 10

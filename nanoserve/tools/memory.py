@@ -24,6 +24,9 @@ activation reserve is the engine's profile, estimated: `estimate_activation_byte
 With --tensor-parallel-size N everything is per GPU: each holds 1/N of the weights and of the
 KV heads (at least one), as vLLM and the engine's own --tensor-parallel-size shard them
 (models/llama.py `shard_for_tp`). nanoserve stores KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
+With --data-parallel-size D every figure is still per rank: each of the D engine cores holds a
+whole copy (its weights and a KV pool of its own, on its own TP GPUs), and the last row says
+what the D of them hold together.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class MemoryReport:
     num_blocks: int
     max_model_len: int
     max_num_seqs: int
+    data_parallel_size: int = 1      # engine cores, each holding all of the above
 
     @property
     def blocks_per_seq(self) -> int:
@@ -138,14 +142,15 @@ def checkpoint_num_params(path: Path, tied: bool) -> Optional[int]:
 
 
 def _check_arguments(device_memory_gb: Optional[float], activation_reserve_gb: Optional[float],
-                     tp: int, kv_cache_dtype: str) -> None:
+                     tp: int, kv_cache_dtype: str, dp: int = 1) -> None:
     """The checks of memory_report's own arguments (Config checks the engine's)."""
     if device_memory_gb is not None and not device_memory_gb > 0:
         raise ValueError(f"device_memory_gb must be > 0 (got {device_memory_gb})")
     if activation_reserve_gb is not None and not activation_reserve_gb >= 0:
         raise ValueError(f"activation_reserve_gb must be >= 0 (got {activation_reserve_gb})")
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive integer (got {tp!r})")
+    for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive integer (got {size!r})")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
                          f"(got {kv_cache_dtype!r})")
@@ -155,16 +160,16 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                   gpu_memory_utilization: float = 0.9, max_model_len: Optional[int] = None,
                   dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                   tensor_parallel_size: int = 1, kv_cache_memory_gb: Optional[float] = None,
-                  activation_reserve_gb: Optional[float] = None,
-                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64) -> MemoryReport:
+                  activation_reserve_gb: Optional[float] = None, max_num_batched_tokens: int = 2048,
+                  max_num_seqs: int = 64, data_parallel_size: int = 1) -> MemoryReport:
     """Size the KV pool exactly as the engine would for these settings (see the module doc)."""
     # Config checks what the engine checks (block_size, gpu_memory_utilization, dtype, ...).
     config = Config(model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
                     kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
                     gpu_memory_utilization=gpu_memory_utilization,
                     max_num_batched_tokens=max_num_batched_tokens)
-    _check_arguments(device_memory_gb, activation_reserve_gb, tensor_parallel_size, kv_cache_dtype)
     tp = tensor_parallel_size
+    _check_arguments(device_memory_gb, activation_reserve_gb, tp, kv_cache_dtype, data_parallel_size)
     hf_config, checkpoint = load_hf_config(model)
     device_bytes = device_memory_gb * GiB if device_memory_gb is not None else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
@@ -208,7 +213,7 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
         gpu_memory_utilization=gpu_memory_utilization, activation_bytes=activation_bytes,
         activation_from=activation_from, kv_budget_bytes=kv_budget, kv_budget_from=kv_budget_from,
         num_layers=shard.num_hidden_layers, num_kv_heads=shard.num_key_value_heads,
-        head_dim=head_dim_of(shard),
+        head_dim=head_dim_of(shard), data_parallel_size=data_parallel_size,
         kv_bytes_per_token=kv_cache_bytes_per_token(shard, kv_dtype), block_size=block_size,
         num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs)
 
@@ -230,6 +235,7 @@ def verdict(r: MemoryReport) -> str:
 def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
     tp = r.tensor_parallel_size
     per_gpu = f" per GPU (TP {tp}: weights and KV heads split {tp} ways)" if tp > 1 else ""
+    per_gpu += f", per rank (DP {r.data_parallel_size})" if r.data_parallel_size > 1 else ""
     table = Table(title=f"nanoserve memory · {r.model}{per_gpu}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
@@ -262,6 +268,11 @@ def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
          + (f"; the scheduler runs at most max_num_seqs {r.max_num_seqs}"
             if r.num_seqs > r.max_num_seqs else "")),
     ]
+    if (dp := r.data_parallel_size) > 1:
+        rows.append((f"x {dp} data-parallel ranks", f"{dp * tp} GPUs" if r.device_bytes else "",
+                     f"each rank holds all of the above; together {_gib(dp * r.weight_bytes * tp)}"
+                     f" of weights, {dp * r.num_blocks * r.block_size:,} tokens, "
+                     f"{dp * r.num_seqs:,} sequences of max_model_len"))
     for row in rows:
         table.add_row(*row)
     console = console or Console()
