@@ -66,26 +66,37 @@ def compile_grammar(compiler: "xgrammar.GrammarCompiler",
 
         choice ["yes", "no"]  ->  EBNF  root ::= "yes" | "no"
     """
-    kind, text = params.kind, params.text
+    kind = params.kind
     try:
-        if kind in ("json", "json_object"):
-            # Compact JSON (vLLM's disable_any_whitespace): with free whitespace a weak model
-            # fills its tokens with it (the built-in model wrote 100 tokens of newlines).
-            schema = text if kind == "json" else '{"type": "object"}'
-            return compiler.compile_json_schema(schema, any_whitespace=False)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "choice":   # JSON string literals are EBNF string literals (escapes included)
-            choices = " | ".join(_ebnf_literal(c) for c in params.choice)
-            return compiler.compile_grammar(f"root ::= {choices}")
-        return compiler.compile_grammar(text)
-    except RuntimeError as e:      # xgrammar's parse errors: "[time] file.cc:line: what"
+        compiled = _compile(compiler, params)
+    except (RuntimeError, RecursionError) as e:  # xgrammar's: "[time] file.cc:line: what"
         why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()).splitlines()[0]
         raise ValueError(f"structured_outputs: the {_WHAT[kind]} is not valid: {why}") from None
+    if _first_bitmask(compiled).ne(0).any():
+        return compiled
+    raise ValueError(f"structured_outputs: the {_WHAT[kind]} matches no text (no first token fits)")
 
 
-def _ebnf_literal(choice: str) -> str:
-    return json.dumps(choice, ensure_ascii=False)   # UTF-8 as it is: \\u surrogates do not match
+def _compile(compiler, params: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
+    kind, text = params.kind, params.text
+    if kind in ("json", "json_object"):
+        # Compact JSON (vLLM's disable_any_whitespace): with free whitespace a weak model fills
+        # its tokens with it (the built-in model wrote 100 tokens of newlines and no JSON).
+        return compiler.compile_json_schema(text if kind == "json" else '{"type": "object"}',
+                                            any_whitespace=False)
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "choice":     # JSON string literals are EBNF string literals (escapes included)
+        choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        return compiler.compile_grammar(f"root ::= {choices}")   # (\u surrogates would not match)
+    return compiler.compile_grammar(text)
+
+
+def _first_bitmask(compiled: "xgrammar.CompiledGrammar") -> "torch.Tensor":
+    import xgrammar
+    bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bitmask
 
 
 class StructuredOutputManager:
@@ -143,7 +154,19 @@ class StructuredOutputManager:
         bitmask = xgrammar.allocate_token_bitmask(len(ids), self.vocab_size)
         self._batch = self._batch or xgrammar.BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask([self.matchers[i] for i in ids], bitmask)
+        for row in bitmask.ne(0).any(dim=1).logical_not().nonzero().flatten().tolist():
+            # A grammar can corner itself (`root ::= "a" x  x ::= x`: after "a" no token fits).
+            # Its request gets a grammar that only stops, so it ends instead of sampling from
+            # nothing (an all -inf row) and failing the whole step.
+            self.matchers[ids[row]] = self._stop_only(self.matchers[ids[row]].stop_token_ids)
+            self.matchers[ids[row]].fill_next_token_bitmask(bitmask, row)
         return bitmask, ids
+
+    def _stop_only(self, stop_ids: list[int]) -> "xgrammar.GrammarMatcher":
+        import xgrammar
+        compiler = grammar_compiler(self.tokenizer_source, self.vocab_size)
+        return xgrammar.GrammarMatcher(compiler.compile_grammar('root ::= ""'),
+                                       override_stop_tokens=stop_ids)
 
     def accept_tokens(self, sampled: dict[str, int]) -> None:
         """Advance each structured request's matcher by the token it sampled."""

@@ -130,6 +130,7 @@ def test_choice_regex_and_grammar_always_match(server):
     ({"structured_outputs": {"regex": "(abc"}}, "structured_outputs", "regex is not valid"),
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs",
      "EBNF grammar is not valid"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "matches no text"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs", "exactly one"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
@@ -149,6 +150,18 @@ def test_bad_structured_output_is_400_naming_the_field(server, body, param, word
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert words in error["message"], error
+
+
+def test_a_grammar_that_corners_itself_ends_its_request_alone(server):
+    """After "a" this grammar allows no token at all: that request stops there, and a plain
+    request in the same steps is not failed with it."""
+    def complete(structured):
+        return server.client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.0,
+            extra_body={"structured_outputs": structured} if structured else {}).choices[0]
+    cornered, plain = parallel(complete, [{"grammar": 'root ::= "a" x\nx ::= x'}, None])
+    assert (cornered.text, cornered.finish_reason) == ("a", "stop")
+    assert plain.finish_reason == "length" and plain.text
 
 
 def test_offline_llm_takes_structured_outputs_through_sampling_params():
