@@ -100,14 +100,17 @@ def summary_table(*traces: Trace) -> Table:
     def ms(p: Optional[dict]) -> str:
         return " / ".join(f"{v * 1e3:.1f}" for v in p.values()) + " ms" if p else "-"
 
+    def structured(s: dict) -> str:
+        return (f"{s['structured_requests']} requests, {s['masked_steps']} request-steps masked "
+                "by their grammar") if s["structured_requests"] else "-"
+
     def column(s: dict) -> list[str]:
         rate, reasons = s["prefix_hit_rate"], ", ".join(f"{k} {v}" for k, v in s["finished"].items())
         return [f"{s['requests']} ({reasons})", str(s["steps"]), str(s["preemptions"]),
                 "off" if rate is None else f"{rate:.1%} of prompt tokens",
                 f"{s['mean_batch_size']:.2f} requests, {s['mean_tokens_per_step']:.1f} tokens per "
-                "step", str(s["output_tokens"]), f"{s['structured_requests']} requests, "
-                f"{s['masked_steps']} request-steps masked by their grammar", ms(s["ttft_s"]),
-                ms(s["itl_s"]), ms(s["e2e_s"])]
+                "step", str(s["output_tokens"]), structured(s), ms(s["ttft_s"]), ms(s["itl_s"]),
+                ms(s["e2e_s"])]
     names = ["requests", "steps", "preemptions", "prefix cache hit rate", "mean batch size",
              "output tokens", "structured outputs", "time to first token p50/p90/p99",
              "inter-token latency p50/p90/p99", "end-to-end latency p50/p90/p99"]
