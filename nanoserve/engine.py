@@ -96,7 +96,6 @@ class Processor:
                         self.eos_token_id, priority=priority)
                 for i in range(params.n)]
 
-
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's structured-output grammar, if it has one: a ValueError naming the
         field for an invalid schema, regex or grammar. Cached by the grammar's text (AsyncLLM
