@@ -255,14 +255,17 @@ def test_tensor_parallel_applies_the_mask_on_rank_0():
     check_structured(tp2)
 
 
-def test_apply_grammar_bitmask_equals_xgrammars_own_op():
-    import xgrammar
+def test_apply_grammar_bitmask_masks_exactly_the_forbidden_tokens():
+    """Against the bit layout spelled out per token: row r allows token t when bit t % 32 of
+    word t // 32 is set; rows without a grammar keep every logit."""
     torch.manual_seed(0)
-    logits, vocab = torch.randn(6, 1479), 1479
+    vocab, rows = 1479, [4, 0, 2]
+    logits = torch.randn(6, vocab)
     bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
-    rows = torch.tensor([4, 0, 2])
-    expected = logits.clone()
-    full = torch.full((6, bitmask.shape[1]), -1, dtype=torch.int32)
-    full[rows] = bitmask
-    xgrammar.apply_token_bitmask_inplace(expected, full)
-    assert torch.equal(apply_grammar_bitmask(logits.clone(), bitmask, rows), expected)
+    masked = apply_grammar_bitmask(logits.clone(), bitmask, torch.tensor(rows))
+    words = bitmask.tolist()
+    for r in range(6):
+        row_bits = words[rows.index(r)] if r in rows else None
+        for t in range(vocab):
+            allowed = row_bits is None or (row_bits[t // 32] >> (t % 32)) & 1
+            assert masked[r, t] == (logits[r, t] if allowed else float("-inf")), (r, t)
