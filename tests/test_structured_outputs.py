@@ -121,6 +121,13 @@ def test_choice_regex_and_grammar_always_match(server):
     streamed = chat(server, stream=True, temperature=0.0, extra_body={"structured_outputs": {
         "regex": REGEX}})
     assert re.fullmatch(REGEX, streamed[0]) and streamed[1] == "stop"
+    # logprobs stay the model's own: finite, so the JSON carries them (a masked one is -inf)
+    reply = server.client.chat.completions.create(
+        model=MODEL, messages=STORY, max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert reply.message.content in ("yes", "no")
+    assert all(-1e4 < top.logprob <= 0 for entry in reply.logprobs.content
+               for top in entry.top_logprobs)
 
 
 @pytest.mark.parametrize("body, param, words", [
