@@ -12,8 +12,12 @@ The names and defaults follow vLLM's `SamplingParams`, so a vLLM user's code rea
 `structured_outputs` (vLLM's `StructuredOutputsParams`) constrains the output to a JSON schema, a
 regex, a choice or an EBNF grammar (structured_output.py):
 
-    >>> SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])).structured_outputs.kind
+    >>> StructuredOutputsParams(choice=["yes", "no"]).kind
     'choice'
+    >>> StructuredOutputsParams(choice=["yes"], regex="y")
+    Traceback (most recent call last):
+    ...
+    ValueError: structured_outputs must set exactly one of json, regex, choice, grammar, json_object (got ['regex', 'choice'])
 
 Validation happens here, at construction, so bad input is refused before it reaches the
 engine; the checks that need the model (stop_token_ids against the vocabulary, logprobs against
