@@ -16,6 +16,8 @@ a system prompt) followed by `--prompt-len` tokens of its own (`--shared-last` s
 order). Every request ignores EOS, so it runs exactly its max_tokens and the same command
 gives the same schedule on every machine; only the timings differ. `--prompt TEXT` (repeat
 it) runs text prompts instead, and `--show` prints what each request generated.
+`--json-schema SCHEMA` constrains every output to a JSON schema (structured outputs: a
+request then ends when its JSON is complete).
 
 Every Config field is a flag, as for `nanoserve generate` (--block-size, --num-kv-blocks,
 --max-num-seqs, --max-num-batched-tokens, --no-enable-prefix-caching, --trace, ...).
@@ -47,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from check_kit import load  # noqa: E402  (lessons/, this file's folder, is on sys.path)
 from nanoserve import LLM, Config, SamplingParams  # noqa: E402
+from nanoserve.sampling_params import StructuredOutputsParams  # noqa: E402
 
 
 def cycled(text: str, kind: type, name: str) -> list:
@@ -215,6 +218,8 @@ def main() -> None:
     parser.add_argument("--request-seed", default=None, help="Each request's own seed (same "
                         "seed, same tokens); a list such as 1,2 is cycled.")
     parser.add_argument("--show", action="store_true", help="Print what each request generated.")
+    parser.add_argument("--json-schema", metavar="SCHEMA", help="Structured outputs: every "
+                        "request's output must match this JSON schema (JSON text).")
     for flag, what in (("--scheduler", "a Scheduler subclass"),
                        ("--waiting-queue", "a waiting queue (add, peek, pop, remove, len, iter)"),
                        ("--block-pool", "a BlockPool subclass")):
@@ -231,8 +236,10 @@ def main() -> None:
         lengths = cycled(args.max_tokens, int, "max_tokens")
         temps = cycled(args.temperature, float, "temperature")
         seeds = cycled(args.request_seed, int, "request_seed") if args.request_seed else [None]
+        schema = args.json_schema and StructuredOutputsParams(json=args.json_schema)
         params = [SamplingParams(max_tokens=lengths[i % len(lengths)], ignore_eos=True,
-                                 temperature=temps[i % len(temps)], seed=seeds[i % len(seeds)])
+                                 temperature=temps[i % len(temps)], seed=seeds[i % len(seeds)],
+                                 structured_outputs=schema or None)
                   for i in range(len(prompts))]
         probe = Probe(llm)
         outs = llm.generate(prompts, params, progress=False)

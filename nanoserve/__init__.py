@@ -11,6 +11,7 @@ import importlib
 _EXPORTS = {
     "Config": "nanoserve.config",
     "SamplingParams": "nanoserve.sampling_params",
+    "StructuredOutputsParams": "nanoserve.sampling_params",
     "LLM": "nanoserve.engine",
     "EngineCore": "nanoserve.engine_core",
     "AsyncLLM": "nanoserve.engine",

@@ -294,12 +294,23 @@ class OpenAIServer(Starlette):
             request, body, [ids], params, ("chatcmpl", "chat.completion", "chat.completion.chunk"),
             lambda c, streaming: _chat_choice(c, params.logprobs, streaming), role)
 
+    async def _compile_grammar(self, body: dict, params: SamplingParams) -> None:
+        """A bad schema, regex or grammar is a 400 before anything runs, naming the field the
+        client used (response_format or structured_outputs)."""
+        try:
+            await self.engine.compile_grammar(params)
+        except ValueError as e:
+            field = ("structured_outputs" if body.get("response_format", {}).get("type", "text")
+                     == "text" else "response_format")
+            raise APIError(400, str(e).replace("structured_outputs", field, 1), field) from None
+
     async def _generate(self, request: Request, body: dict, prompts: list[list[int]],
                         params: SamplingParams, kinds: tuple[str, str, str],
                         choice: Callable[[CompletionOutput, bool], dict], opening: list[dict]):
         """Run the prompts; answer with `choice(output, streaming)` per choice (SSE: `opening`
         first) in the envelope; kinds: the id prefix, a response's object, a chunk's object."""
         (prefix, kind, chunk_kind), stream = kinds, body.get("stream")
+        await self._compile_grammar(body, params)
         request_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
 
         def envelope(choices: list[dict], usage: Optional[dict] = None, chunk: bool = True) -> dict:

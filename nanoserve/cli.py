@@ -125,7 +125,8 @@ def _add_generate(sub) -> None:
 
 def _add_serve(sub) -> None:
     srv = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API "
-                         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).")
+                         "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics; "
+                         "structured outputs: response_format, structured_outputs).")
     srv.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                      help=Config.__dataclass_fields__["model"].metadata["help"])
     srv.add_argument("--host", default="127.0.0.1", help="Address to bind (loopback by default).")
@@ -147,7 +148,7 @@ def _add_trace(sub) -> None:
     trc.add_argument("--plot", metavar="DIR", help="Write PNGs to DIR: request Gantt, KV blocks, "
                      "tokens per step, latency CDFs.")
     trc.add_argument("--summary", action="store_true", help="Print requests, steps, preemptions, "
-                     "prefix hit rate, batch size and latency percentiles.")
+                     "prefix hit rate, batch size, structured outputs and latency percentiles.")
     trc.add_argument("--chrome", metavar="FILE", help="Write Chrome/Perfetto trace-event JSON.")
     trc.add_argument("--compare", metavar="FILE", help="Another trace (e.g. the same workload "
                      "on the reference engine): both summaries side by side.")

@@ -32,6 +32,7 @@ from nanoserve.errors import EngineDeadError, EngineOverloadedError, RequestTime
 from nanoserve.output_processor import OutputProcessor, RequestOutput, load_tokenizer
 from nanoserve.request import Request, check_fits
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.structured_output import compile_grammar, grammar_compiler
 
 PromptType = Union[str, dict]
 
@@ -43,6 +44,7 @@ class Processor:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.tokenizer_source = config.tokenizer or str(model_path)
         gen_eos = _generation_config_eos(model_path)
         fallback_eos = (tokenizer.eos_token_id if tokenizer is not None
                         else _config_eos(model_path))   # skip_tokenizer_init: config.json's
@@ -81,6 +83,7 @@ class Processor:
                              "use stop_token_ids")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}")
+        self.compile_grammar(params)
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=params.stop_token_ids + self.extra_eos_ids)
@@ -92,6 +95,17 @@ class Processor:
                                             else params.seed + i),
                         self.eos_token_id, priority=priority)
                 for i in range(params.n)]
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output grammar, if it has one: a ValueError naming the
+        field for an invalid schema, regex or grammar. Cached by the grammar's text (AsyncLLM
+        compiles in a thread first, so a new grammar never stalls the event loop)."""
+        if params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init is set)")
+        compile_grammar(grammar_compiler(self.tokenizer_source, self.vocab_size),
+                        params.structured_outputs)
 
 
 def _config_eos(path) -> Optional[int]:
@@ -237,6 +251,7 @@ class AsyncLLM:
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput each time the request gains text, the last one finished.
         Raises ValueError (before anything reaches the engine) for a request that cannot run."""
+        await self.compile_grammar(sampling_params)
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self._streams:
@@ -275,6 +290,12 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:       # the consumer went away (client disconnected): free it all
                 self.engine_core.send("abort", children_ids)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Processor.compile_grammar in a thread: a new grammar may take a while to compile, and
+        the event loop must not wait for it (a cached one returns at once)."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.processor.compile_grammar, params)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the engine frees its blocks before the next step."""

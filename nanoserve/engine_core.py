@@ -27,8 +27,9 @@ from typing import Callable, Sequence
 from nanoserve.config import Config
 from nanoserve.errors import EngineDeadError, EngineStepError, is_fatal_step_error
 from nanoserve.kv_cache import KVCacheManager
-from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request
+from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request, SchedulerOutput
 from nanoserve.scheduler import Scheduler
+from nanoserve.structured_output import StructuredOutputManager
 from nanoserve.trace import Tracer
 from nanoserve.executor import MultiprocExecutor
 from nanoserve.model_runner import ModelRunner
@@ -48,9 +49,12 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
                                                config.enable_prefix_caching, self.tracer)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.tracer)
+        # Structured outputs: the requests' grammar matchers and each step's bitmask.
+        self.structured_output = StructuredOutputManager(config.tokenizer or self.model_path,
+                                                         self.vocab_size)
         # Where the time goes (seconds, summed over steps); `nanoserve bench` prints them.
         self.timings = self.runner.timings
-        self.timings.update(schedule=0.0, update=0.0)
+        self.timings.update(schedule=0.0, update=0.0, grammar=0.0)
         self.num_batched_requests = 0       # summed over steps: / steps = mean batch size
         if self.tracer.enabled:
             self.tracer.emit("config", **dataclasses.asdict(config))
@@ -58,6 +62,7 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+        self.structured_output.add_request(request)
 
     def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         return [EngineCoreOutput(r.request_id, [], "abort")
@@ -83,12 +88,15 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        self.structured_output.remove(scheduler_output.finished_req_ids)   # aborted, failed
         if not scheduler_output.requests:
             return []
         self.timings["schedule"] += time.perf_counter() - start
         self.num_batched_requests += len(scheduler_output.requests)
         try:
+            self._grammar_bitmask(scheduler_output)
             sampled, logprobs = self.runner.execute_model(scheduler_output)
+            self._accept_tokens(sampled)
         except Exception as e:
             # The step's requests cannot go on; everyone else can. Roll their progress back
             # first, so that blocks this step should have filled leave the prefix cache.
@@ -102,6 +110,7 @@ class EngineCore:
             raise EngineStepError(f"the engine step failed: {type(e).__name__}: {e}", failed) from e
         update_start = time.perf_counter()
         outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
+        self.structured_output.remove(self.scheduler.finished_req_ids)   # finished just now
         self.timings["update"] += time.perf_counter() - update_start
         if self.config.debug:
             self._debug(scheduler_output, time.perf_counter() - start)
@@ -110,6 +119,23 @@ class EngineCore:
                              sampled=sampled)
             self.tracer.flush()
         return outputs
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The step's one bitmask for its structured requests that sample (structured_output.py),
+        into the SchedulerOutput: the runner that holds the logits (TP: rank 0) applies it."""
+        start = time.perf_counter()
+        mask = self.structured_output.grammar_bitmask(out)   # None: no structured row, no work
+        self.timings["grammar"] += time.perf_counter() - start
+        if mask is None:
+            return
+        out.grammar_bitmask, out.structured_output_request_ids = mask
+        if self.tracer.enabled:
+            self.tracer.emit("grammar_bitmask", reqs=out.structured_output_request_ids)
+
+    def _accept_tokens(self, sampled: dict[str, int]) -> None:
+        start = time.perf_counter()
+        self.structured_output.accept_tokens(sampled)
+        self.timings["grammar"] += time.perf_counter() - start
 
     def _debug(self, out, duration: float) -> None:
         pool = self.kv_cache_manager.pool

@@ -213,12 +213,23 @@ class ModelRunner:
             [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
             [r.output_token_ids for r in sampling], [self._generator(r) for r in sampling],
             eos_token_id=sampling[0].eos_token_id, vocab_size=self.vocab_size, device=self.device)
+        if out.grammar_bitmask is not None:
+            metadata.grammar_bitmask, metadata.grammar_rows = self._grammar_bitmask(out, sampling)
         result = self.sampler(logits, metadata)
         ids = [r.request_id for r in sampling]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         sampled = dict(zip(ids, result.sampled_token_ids.tolist()))
         self.timings["sample"] += time.perf_counter() - sample_start
         return sampled, logprobs
+
+    def _grammar_bitmask(self, out: SchedulerOutput, sampling: list):
+        """The step's grammar bitmask (the engine core's, structured_output.py) on this device,
+        and the logits row of each of its rows. Under tensor parallel only rank 0 gets here: it
+        holds the gathered logits."""
+        row_of = {r.request_id: i for i, r in enumerate(sampling)}
+        rows = [row_of[request_id] for request_id in out.structured_output_request_ids]
+        return (out.grammar_bitmask.to(self.device, non_blocking=True),
+                torch.tensor(rows, dtype=torch.int64, device=self.device))
 
     def _generator(self, request) -> Optional[torch.Generator]:
         seed = request.sampling_params.seed

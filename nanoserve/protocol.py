@@ -16,7 +16,7 @@ from typing import Optional
 
 from starlette.responses import JSONResponse
 
-from nanoserve.sampling_params import SamplingParams, is_int, is_num
+from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams, is_int, is_num
 
 
 class APIError(Exception):
@@ -45,7 +45,7 @@ _SAMPLING = {"n": "integer", "temperature": "number", "top_p": "number", "top_k"
              "presence_penalty": "number", "frequency_penalty": "number",
              "repetition_penalty": "number"}
 _COMMON = {"model": "string", "stream": "boolean", "stream_options": "object", "user": "string",
-           **_SAMPLING}
+           "response_format": "object", "structured_outputs": "object", **_SAMPLING}
 COMPLETION_FIELDS = {**_COMMON, "echo": "boolean", "logprobs": "integer", "prompt": "string | "
                      "array of string | array of integer | array of array of integer"}
 CHAT_FIELDS = {**_COMMON, "messages": "array of object", "logprobs": "boolean",
@@ -86,7 +86,58 @@ def param_of(error: Exception) -> Optional[str]:
 def sampling_params_of(body: dict, **overrides) -> SamplingParams:
     if is_int(body.get("n")) and body["n"] > MAX_N:
         raise APIError(400, f"n must be <= {MAX_N} (got {body['n']})", "n")
+    structured = structured_outputs_of(body)
     try:
-        return SamplingParams(**{**{k: body[k] for k in _SAMPLING if k in body}, **overrides})
+        return SamplingParams(**{**{k: body[k] for k in _SAMPLING if k in body},
+                                 "structured_outputs": structured, **overrides})
     except ValueError as e:
         raise APIError(400, str(e), param_of(e)) from None
+
+
+# -- structured outputs: OpenAI's response_format, vLLM's structured_outputs -----------------
+_STRUCTURED = {"json": "object | string", "regex": "string", "choice": "array of string",
+               "grammar": "string", "json_object": "boolean"}
+
+
+def structured_outputs_of(body: dict) -> Optional[StructuredOutputsParams]:
+    """`response_format` {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    or {"type": "json_object"} (OpenAI's), or `structured_outputs` {"choice": [...]}, {"regex"},
+    {"json"}, {"grammar"}, {"json_object"} (vLLM's), as one StructuredOutputsParams; None for
+    neither (or {"type": "text"}). Asking for two at once is a 400 naming the field."""
+    fmt, structured = body.get("response_format"), body.get("structured_outputs")
+    kind = fmt.get("type") if fmt is not None else None
+    if fmt is not None and kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, "response_format.type must be 'text', 'json_object' or 'json_schema' "
+                       f"(got {kind!r:.80})", "response_format")
+    if structured is not None and kind in ("json_object", "json_schema"):
+        raise APIError(400, "structured_outputs and response_format each ask for a structured "
+                       "output: send one of them", "structured_outputs")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=_json_schema_of(fmt.get("json_schema")))
+    if structured is None:
+        return None
+    for name, value in structured.items():
+        if name not in _STRUCTURED:
+            raise APIError(400, f"structured_outputs.{name} is not supported (supported: "
+                           f"{', '.join(_STRUCTURED)})", "structured_outputs")
+        if value is not None and not is_type(value, _STRUCTURED[name]):
+            raise APIError(400, f"structured_outputs.{name} must be: {_STRUCTURED[name]} "
+                           f"(got {value!r:.80})", "structured_outputs")
+    try:
+        return StructuredOutputsParams(**structured)
+    except ValueError as e:       # none or several of json, regex, choice, grammar, json_object
+        raise APIError(400, str(e), "structured_outputs") from None
+
+
+def _json_schema_of(spec) -> dict:
+    """The schema of response_format.json_schema. `strict` is accepted and always honoured: the
+    output follows the schema whatever it says (xgrammar's strict mode, as in vLLM: no property
+    the schema does not name, unless it allows extra ones itself)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
+                       "response_format")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise APIError(400, "response_format.json_schema.strict must be a boolean", "response_format")
+    return spec["schema"]

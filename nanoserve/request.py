@@ -94,6 +94,11 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests finished or aborted since the last step: the worker drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs (structured_output.py): the step's one bitmask, a CPU int32 tensor
+    # [rows, ceil(vocab / 32)] the engine core builds (the scheduler knows no tensors), and the
+    # request each row belongs to; None when no structured request samples this step.
+    grammar_bitmask: Any = None
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

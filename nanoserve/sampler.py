@@ -4,6 +4,7 @@ request with its own SamplingParams.
 The order is vLLM's:
 
     raw logits ──────────────────────────────> logprobs (log_softmax of the RAW logits)
+      │ grammar bitmask: -inf where a structured request's grammar forbids the token
       │ min_tokens: EOS and stop_token_ids -> -inf while the output is too short
       │ penalties: repetition (prompt + output), frequency and presence (output)
       ├──> argmax ───────────────────────────> greedy rows (temperature 0)
@@ -67,6 +68,10 @@ class SamplingMetadata:
     num_logprobs: list[Optional[int]]      # per row: the request's `logprobs` (None = no)
     logprobs_rows: Optional[Tensor]        # [r] int64, the rows that asked
     max_num_logprobs: int                  # largest `logprobs` of the batch
+    # Structured outputs: the step's grammar bitmask [m, ceil(vocab / 32)] int32 (structured_output.py)
+    # and the row of each of its m rows; set by the runner, None when no row is structured.
+    grammar_bitmask: Optional[Tensor] = None
+    grammar_rows: Optional[Tensor] = None      # [m] int64
 
     @classmethod
     def from_requests(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -209,6 +214,27 @@ class SamplerOutput:
     logprobs: list[Optional[TokenLogprobs]]     # per row; None where the request did not ask
 
 
+def apply_grammar_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> Tensor:
+    """-inf wherever a structured row's grammar forbids the token, in place, for all of the
+    step's structured rows at once; the other rows are not touched. `bitmask` is xgrammar's
+    layout, 32 tokens per int32 word: token t is allowed when bit t % 32 of word t // 32 is set.
+    Vocabulary 3, bitmask row [0b110]: tokens 1 and 2 keep their logits, token 0 gets -inf. In
+    torch that is
+
+        allowed = ((bitmask[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab].bool()
+        logits[rows] = logits[rows].masked_fill(~allowed, -inf)
+
+    which xgrammar's own op does without the [rows, vocab] temporaries (C++ on a CPU, a kernel
+    on a GPU): 4x faster for 64 rows of a 49k vocabulary on a CPU (11 ms against 45)."""
+    import xgrammar
+    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32,
+                      device=logits.device)            # its op wants a bitmask row per logits row
+    full[rows] = bitmask
+    xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1],
+                                         indices=rows.tolist())
+    return logits
+
+
 def apply_penalties(logits: Tensor, md: SamplingMetadata) -> Tensor:
     """vLLM/OpenAI penalties (the result may reuse `logits`' storage). Repetition (tokens of prompt + output): a positive logit
     is divided by the penalty, a negative one multiplied, so penalty > 1 always pushes down.
@@ -273,6 +299,9 @@ class Sampler:
         in_place = not md.all_greedy or md.min_tokens_rows is not None or md.frequency_penalty is not None
         if in_place or md.repetition_penalty is not None:
             logits = logits.to(torch.float32, copy=in_place)
+        if md.grammar_bitmask is not None:   # first: every later stage sees only allowed tokens
+            logits = apply_grammar_bitmask(logits.clone() if logits is raw_logits else logits,
+                                           md.grammar_bitmask, md.grammar_rows)
         if md.min_tokens_rows is not None:
             logits[md.min_tokens_rows, md.min_tokens_token_ids] = _NEG_INF
         logits = apply_penalties(logits, md)

@@ -9,6 +9,16 @@ The names and defaults follow vLLM's `SamplingParams`, so a vLLM user's code rea
     ...
     ValueError: top_p must be in (0, 1] (got 1.5)
 
+`structured_outputs` (vLLM's `StructuredOutputsParams`) constrains the output to a JSON schema, a
+regex, a choice or an EBNF grammar (structured_output.py):
+
+    >>> StructuredOutputsParams(choice=["yes", "no"]).kind
+    'choice'
+    >>> StructuredOutputsParams(choice=["yes"], regex="y")
+    Traceback (most recent call last):
+    ...
+    ValueError: structured_outputs must set exactly one of json, regex, choice, grammar, json_object (got ['regex', 'choice'])
+
 Validation happens here, at construction, so bad input is refused before it reaches the
 engine; the checks that need the model (stop_token_ids against the vocabulary, logprobs against
 max_logprobs) are Processor's (engine.py). The sampler re-checks none of it, only asserts.
@@ -17,8 +27,52 @@ Torch-free: the scheduler and the API server read it too.
 
 from __future__ import annotations
 
+import json as json_module
 from dataclasses import dataclass
 from typing import Optional, Union
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match: exactly one of `json` (a JSON schema, as a dict or its text),
+    `regex` (matched whole), `choice` (one of these strings), `grammar` (EBNF, in xgrammar's
+    dialect: `root ::= ...`) or `json_object` (any JSON object). vLLM's names; whether a schema,
+    regex or grammar is valid is the compiler's to say (structured_output.py:compile_grammar)."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self):
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        _check(len(kinds) == 1, "structured_outputs",
+               f"must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}", kinds)
+        _check(self.json is None or isinstance(self.json, (str, dict)), "structured_outputs",
+               "json must be a JSON schema (an object or its text)", self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value), "structured_outputs",
+                   f"{name} must be a non-empty string", value)
+        _check(self.choice is None or (isinstance(self.choice, list) and self.choice and
+                                       all(isinstance(c, str) for c in self.choice)),
+               "structured_outputs", "choice must be a non-empty list of strings", self.choice)
+        _check(self.json_object in (None, True, False), "structured_outputs",
+               "json_object must be a boolean", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def text(self) -> str:
+        """The constraint as text (a schema dict as JSON, choices as a JSON list): with `kind`,
+        what the compilers cache by and what crosses to the engine core."""
+        value = getattr(self, self.kind)
+        return value if isinstance(value, str) else json_module.dumps(value, ensure_ascii=False)
 
 
 @dataclass
@@ -40,6 +94,7 @@ class SamplingParams:
     logprobs: Optional[int] = None   # also return the top-n logprobs of each sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None   # JSON schema, regex, ...
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +130,14 @@ class SamplingParams:
                "repetition_penalty", "must be > 0", self.repetition_penalty)
         _check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", "must be an integer >= 0", self.logprobs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs,
+                                                             StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams", self.structured_outputs)
+        # A grammar allows its stop tokens only once it is complete; min_tokens would then mask
+        # the only tokens left (and the grammar decides where the output ends anyway).
+        _check(self.structured_outputs is None or self.min_tokens == 0, "min_tokens",
+               "must be 0 with structured_outputs (the grammar decides where the output ends)",
+               self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

@@ -224,7 +224,10 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            if token == request.eos_token_id and not params.ignore_eos:
+            # A structured request's grammar allows EOS only once it is complete
+            # (structured_output.py): there it ends the request, ignore_eos or not.
+            if token == request.eos_token_id and (not params.ignore_eos
+                                                  or params.structured_outputs is not None):
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
             if token in params.stop_token_ids:

@@ -37,9 +37,10 @@ FIELDS = {"config": "", "arrive": "req prompt_len max_tokens", "alloc": "req blo
           "prefix_hit": "req blocks tokens", "free": "req blocks", "evict": "block",
           "preempt": "req num_computed_tokens", "step_done": "duration_s sampled",
           "schedule": "scheduled running waiting num_prefill_tokens num_decode_tokens kv_used "
-                      "kv_free kv_cached", "finish": "req reason prompt_len output_len"}
+                      "kv_free kv_cached", "finish": "req reason prompt_len output_len",
+          "grammar_bitmask": "reqs"}
 TYPES = {"t": (int, float), "duration_s": (int, float), "req": str, "reason": str, "blocks": list,
-         "running": list, "waiting": list, "scheduled": dict, "sampled": dict}
+         "running": list, "waiting": list, "scheduled": dict, "sampled": dict, "reqs": list}
 
 
 class Tracer:
@@ -138,6 +139,7 @@ class TracedRequest:
     work: dict[int, str] = field(default_factory=dict)   # step -> "prefill" | "decode"
     preempt_steps: list[int] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)  # steps that sampled one of its tokens
+    masked_steps: list[int] = field(default_factory=list)  # its grammar masked the sampling
     finish_step: Optional[int] = None
     finish_t: Optional[float] = None
     reason: Optional[str] = None
@@ -225,7 +227,8 @@ class _Rebuild:
         self.handlers = {"arrive": self.on_arrive, "evict": self.on_evict, "alloc": self.on_take,
                          "prefix_hit": self.on_take, "free": self.on_free,
                          "preempt": self.on_preempt, "schedule": self.on_schedule,
-                         "step_done": self.on_step_done, "finish": self.on_finish}
+                         "step_done": self.on_step_done, "finish": self.on_finish,
+                         "grammar_bitmask": self.on_grammar_bitmask}
 
     def run(self, events: list[dict]) -> None:
         for e in events:
@@ -304,6 +307,11 @@ class _Rebuild:
 
     def on_step_done(self, e: dict) -> None:
         self.trace.spans[self.step] = (self.t - e["duration_s"], self.t)
+
+    def on_grammar_bitmask(self, e: dict) -> None:
+        for rid in e["reqs"]:
+            self.trace.requests[rid].masked_steps.append(self.step)
+        self.notes.append(f"grammar bitmask for {', '.join(e['reqs'])}")
 
     def on_finish(self, e: dict) -> None:
         rid, r = e["req"], self.trace.requests[e["req"]]

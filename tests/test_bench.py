@@ -33,7 +33,8 @@ def test_bench_runs_end_to_end(checkpoint):
                        num_kv_blocks=64, max_model_len=256)
     assert result["output_tokens"] == sum(make_workload(3, (4, 20), (2, 5), 384)[1])
     assert result["output_tok_s"] > 0 and 1 <= result["mean_batch_size"] <= 3
-    assert set(result["ms_per_step"]) == {"prepare", "forward", "sample", "schedule", "update"}
+    assert set(result["ms_per_step"]) == {"prepare", "forward", "sample", "schedule", "update",
+                                          "grammar"}
     assert result["model_flop_s"] > 0
 
 

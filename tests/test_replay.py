@@ -124,11 +124,13 @@ HAND = [
     dict(ev="alloc", step=3, t=0.5, req="r3", blocks=[1]),
     dict(ev="schedule", step=3, t=0.5, scheduled={"r2": 1, "r3": 1}, running=["r2", "r3"],
          waiting=[], num_prefill_tokens=1, num_decode_tokens=1, kv_used=4, kv_free=0, kv_cached=0),
+    dict(ev="grammar_bitmask", step=3, t=0.5, reqs=["r3"]),     # r3 has a grammar (and r2 not)
     dict(ev="free", step=3, t=0.6, req="r2", blocks=[3, 2]),
     dict(ev="finish", step=3, t=0.6, req="r2", reason="length", prompt_len=5, output_len=2),
     dict(ev="step_done", step=3, t=0.65, duration_s=0.15, sampled={"r2": 1, "r3": 2}),
     dict(ev="schedule", step=4, t=0.7, scheduled={"r3": 1}, running=["r3"], waiting=[],
          num_prefill_tokens=0, num_decode_tokens=1, kv_used=2, kv_free=2, kv_cached=1),
+    dict(ev="grammar_bitmask", step=4, t=0.7, reqs=["r3"]),
     dict(ev="free", step=4, t=0.8, req="r3", blocks=[1, 0]),
     dict(ev="finish", step=4, t=0.8, req="r3", reason="length", prompt_len=5, output_len=2),
     dict(ev="step_done", step=4, t=0.8, duration_s=0.1, sampled={"r3": 3}),
@@ -158,6 +160,7 @@ def test_hand_trace_frames_and_summary(hand_trace):
     assert s["mean_batch_size"] == pytest.approx(7 / 4)             # 2 + 2 + 2 + 1 requests
     assert s["mean_tokens_per_step"] == pytest.approx(14 / 4)       # 8 + 3 + 2 + 1 tokens
     assert s["output_tokens"] == 6
+    assert (s["structured_requests"], s["masked_steps"]) == (1, 2)     # r3, at steps 3 and 4
     # first tokens at step ends: r1 0.2 - 0, r2 0.4 - 0, r3 0.65 - 0.45
     assert s["ttft_s"] == pytest.approx({"p50": 0.2, "p90": 0.36, "p99": 0.396})
     # gaps: r1 0.4 - 0.2, r2 0.65 - 0.4, r3 0.8 - 0.65
@@ -185,7 +188,7 @@ def test_plots_and_chrome_trace(tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda lines: lines[:-1] + [lines[-1][:30]], r":23: not valid JSON .* truncated"),
+    (lambda lines: lines[:-1] + [lines[-1][:30]], r":25: not valid JSON .* truncated"),
     (lambda lines: lines[:4] + [lines[4].replace('"blocks"', '"blokcs"')] + lines[5:],
      r":5: the 'alloc' event lacks blocks"),
     (lambda lines: lines[:9] + [lines[9].replace("[1, 0]", "[1, 2]")] + lines[10:],

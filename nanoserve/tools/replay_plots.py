@@ -69,6 +69,9 @@ def summary(trace: Trace) -> dict:
         "mean_batch_size": sum(len(s["scheduled"]) for s in busy) / max(len(busy), 1),
         "mean_tokens_per_step": sum(sum(s["scheduled"].values()) for s in busy) / max(len(busy), 1),
         "output_tokens": sum(len(ts) for ts in times),
+        # structured outputs: the requests with a grammar, and how many steps masked their logits
+        "structured_requests": sum(1 for r in reqs if r.masked_steps),
+        "masked_steps": sum(len(r.masked_steps) for r in reqs),
         "ttft_s": percentiles([ts[0] - r.arrive_t for r, ts in zip(reqs, times) if ts]),
         "itl_s": percentiles([b - a for ts in times for a, b in pairwise(ts)]),
         "e2e_s": percentiles([r.finish_t - r.arrive_t for r in reqs if r.finish_t is not None]),
@@ -97,15 +100,20 @@ def summary_table(*traces: Trace) -> Table:
     def ms(p: Optional[dict]) -> str:
         return " / ".join(f"{v * 1e3:.1f}" for v in p.values()) + " ms" if p else "-"
 
+    def structured(s: dict) -> str:
+        return (f"{s['structured_requests']} requests, {s['masked_steps']} request-steps masked "
+                "by their grammar") if s["structured_requests"] else "-"
+
     def column(s: dict) -> list[str]:
         rate, reasons = s["prefix_hit_rate"], ", ".join(f"{k} {v}" for k, v in s["finished"].items())
         return [f"{s['requests']} ({reasons})", str(s["steps"]), str(s["preemptions"]),
                 "off" if rate is None else f"{rate:.1%} of prompt tokens",
                 f"{s['mean_batch_size']:.2f} requests, {s['mean_tokens_per_step']:.1f} tokens per "
-                "step", str(s["output_tokens"]), ms(s["ttft_s"]), ms(s["itl_s"]), ms(s["e2e_s"])]
+                "step", str(s["output_tokens"]), structured(s), ms(s["ttft_s"]), ms(s["itl_s"]),
+                ms(s["e2e_s"])]
     names = ["requests", "steps", "preemptions", "prefix cache hit rate", "mean batch size",
-             "output tokens", "time to first token p50/p90/p99", "inter-token latency p50/p90/p99",
-             "end-to-end latency p50/p90/p99"]
+             "output tokens", "structured outputs", "time to first token p50/p90/p99",
+             "inter-token latency p50/p90/p99", "end-to-end latency p50/p90/p99"]
     for name, *values in zip(names, *(column(summary(t)) for t in traces)):
         table.add_row(name, *values)
     return table
