@@ -233,6 +233,34 @@ def report(output: str, line: str) -> list[int]:
     return [int(x) for x in re.findall(r"\d+", found[0].replace(",", ""))]
 
 
+def frame(output: str) -> tuple[dict[str, str], dict[int, str]]:
+    """A `nanoserve trace --step N` frame: ({request: its timeline row}, {block id: its label})."""
+    rows = dict(re.findall(r"^│ (\d+) (\S+)", output, re.M))
+    cells = {}
+    for base, labels in re.findall(r"^│ +(\d+) │((?: +\S+)+) +│$", output, re.M):
+        cells.update({int(base) + i: label for i, label in enumerate(labels.split())})
+    return rows, cells
+
+
+def test_figures_read_off_the_replay_frames():
+    """What lessons 02-04 say they see in a replay frame is what the frame shows."""
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("02")))
+    _, cells = frame(next(o for o in outputs if "KV block pool" in o and "steps 1-20" in o))
+    for request, says in (("1", "holds blocks"), ("7", "holds")):
+        held = [b for b, label in sorted(cells.items()) if label == request]
+        assert f"request {request} {says} {held[0]}, {held[1]} and {held[2]}" in prose
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("03")))
+    five = next(o for o in outputs if "steps 1-5" in o)
+    assert "prefill 31, decode 1" in five and "a 31-token chunk" in prose
+    assert frame(five)[0]["0"].startswith("▒▒▒▒█") and 3 * 32 + 4 == 100
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("04")))
+    eighteen = next(o for o in outputs if "steps 1-18" in o)
+    preempted_at = {r: row.index("✗") + 1 for r, row in frame(eighteen)[0].items() if "✗" in row}
+    assert preempted_at == {"2": 18, "3": 10, "4": 2}, preempted_at
+    assert "Requests 4 and 3 went the same way at steps 2 and 10" in prose
+    assert "2 preempted (40 tokens dropped)" in eighteen and "dropping 40 computed tokens" in prose
+
+
 def test_derived_figures_in_the_text():
     """Sums and ratios the prose of lessons 03 and 04 computes from the outputs it shows."""
     outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("03")))
