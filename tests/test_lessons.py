@@ -279,6 +279,11 @@ def test_derived_figures_in_the_text():
     assert -(-(24 + 40 - 1) // 8) == 8 and "ceil(63 / 8) = 8" in prose
     assert f"in {report(sized, 'steps')[0]} steps without a preemption" in prose
     assert f"against the storm's {report(storm, 'steps')[0]}" in prose
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("05")))
+    computed, hit, total = report(outputs[0], "tokens")
+    assert (hit, report(outputs[0], "prefix cache")[:2]) == (7 * 64, [7 * 64, 8 * 80])
+    assert f"{hit} of {8 * 80} prompt tokens, {round(100 * hit / (8 * 80))}%" in prose
+    assert report(outputs[2], "tokens")[1] == 0 and "the hit rate is 0%" in prose
 
 
 @pytest.mark.parametrize("lesson", list(FIGURES))
