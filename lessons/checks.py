@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # check_kit, checks_scheduler
+import checks_engine as engine  # noqa: E402
 import checks_scheduler as scheduling  # noqa: E402
-from check_kit import LESSONS, expect, load  # noqa: E402
+from check_kit import LESSONS, expect, forbid, load  # noqa: E402
 
 
 # -- 1.3 the engine loop ---------------------------------------------------------------------
@@ -48,10 +50,33 @@ def check_engine_loop(mod, say) -> None:
 
 
 # -- 2.3 paged decode attention ------------------------------------------------------------------
+REFERENCE_ATTENTION = {"paged_attention_torch", "_gather_kv", "_attend_one", "paged_attention_cpu",
+                       "paged_attention_triton"}
+
+
+@contextmanager
+def refused(module, names):
+    """While the learner's code runs, nanoserve's own attention answers with a failure."""
+    saved = {n: getattr(module, n) for n in names if hasattr(module, n)}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("your code called nanoserve's paged attention: read K and V "
+                             "through the block table yourself")
+    for name in saved:
+        setattr(module, name, refuse)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
 def check_paged_decode(mod, say) -> None:
     import torch
 
+    from nanoserve import paged_attention
     from nanoserve.paged_attention import AttentionMetadata, paged_attention_torch, store_kv_torch
+    forbid(mod, REFERENCE_ATTENTION, "read K and V through the block table yourself")
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, heads, kv_heads, dim = 16, 4, 4, 2, 8
     for seq_len in (1, 4, 5, 13):
@@ -64,7 +89,9 @@ def check_paged_decode(mod, say) -> None:
         slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
         store_kv_torch(k, v, k_cache, v_cache, slots)
         query = torch.randn(heads, dim, generator=gen)
-        got = mod.paged_decode_attention(query, k_cache, v_cache, list(table), seq_len, dim ** -0.5)
+        with refused(paged_attention, REFERENCE_ATTENTION):
+            got = mod.paged_decode_attention(query, k_cache, v_cache, list(table), seq_len,
+                                             dim ** -0.5)
         expect(tuple(got.shape) == (heads, dim), f"the output must be [num_heads, head_dim] = "
                f"[{heads}, {dim}] (got {list(got.shape)})")
         dense = torch.nn.functional.scaled_dot_product_attention(
@@ -85,28 +112,37 @@ def check_paged_decode(mod, say) -> None:
 
 # -- 6.3 KV sizing ------------------------------------------------------------------------------
 def check_kv_sizing(mod, say) -> None:
+    import json
+    import tempfile
+
     from nanoserve.tools.memory import memory_report
-    llama = str(LESSONS.parent / "examples" / "llama-3-8b-config.json")
-    cases = [dict(model="nanoserve-tiny"), dict(model=llama, device_memory_gb=24),
-             dict(model=llama, device_memory_gb=80, block_size=32),
-             dict(model=llama, device_memory_gb=40, kv_cache_dtype="fp8"),
-             dict(model=llama, device_memory_gb=40, tensor_parallel_size=2)]
-    # (Each under the cap on a GPU's pool, max_useful_kv_blocks: 80 GiB at TP 2 would hit it.)
-    for case in cases:
-        r = memory_report(**case)
-        got = mod.kv_bytes_per_token(r.num_layers, r.num_kv_heads, r.head_dim,
-                                     r.kv_cache_dtype.itemsize)
-        expect(got == r.kv_bytes_per_token, f"{case}: kv_bytes_per_token {got}, nanoserve "
-               f"memory says {r.kv_bytes_per_token}")
-        got = mod.num_kv_blocks(r.kv_budget_bytes, r.kv_bytes_per_token, r.block_size)
-        expect(got == r.num_blocks,
-               f"{case}: num_kv_blocks {got}, nanoserve memory says {r.num_blocks}")
-    say(f"bytes per token and blocks agree with `nanoserve memory` on {len(cases)} setups")
+    llama = LESSONS.parent / "examples" / "llama-3-8b-config.json"
+    tiny = LESSONS.parent / "nanoserve" / "assets" / "nanoserve-tiny" / "config.json"
+    base = json.loads(llama.read_text())
+    folder = Path(tempfile.mkdtemp())
+    variants = {"own_head_dim": dict(base, head_dim=64, num_key_value_heads=4),
+                "no_kv_heads_field": {k: v for k, v in base.items() if k != "num_key_value_heads"}}
+    for name, config in variants.items():
+        (folder / f"{name}.json").write_text(json.dumps(config))
+    cases = [(tiny, {}), (llama, dict(device_memory_gb=24)),
+             (llama, dict(device_memory_gb=40, kv_cache_dtype="fp8")),
+             (llama, dict(device_memory_gb=40, tensor_parallel_size=2)),
+             (llama, dict(device_memory_gb=80, tensor_parallel_size=16)),
+             (folder / "own_head_dim.json", dict(device_memory_gb=40)),
+             (folder / "no_kv_heads_field.json", dict(device_memory_gb=80))]
+    for path, case in cases:
+        r = memory_report(model=str(tiny.parent if path == tiny else path), **case)
+        got = mod.kv_bytes_per_token(json.loads(path.read_text()), r.kv_cache_dtype.itemsize,
+                                     r.tensor_parallel_size)
+        expect(got == r.kv_bytes_per_token, f"{path.name} {case}: kv_bytes_per_token {got}, "
+               f"nanoserve memory says {r.kv_bytes_per_token} per GPU")
+    say(f"bytes per token on one GPU agree with `nanoserve memory` on {len(cases)} setups "
+        "(TP 2 and 16, fp8, an explicit head_dim, no num_key_value_heads)")
     for seqs in (8, 12, 20):
-        r = memory_report(model=llama, device_memory_gb=24)
+        r = memory_report(model=str(llama), device_memory_gb=24)
         length = mod.max_model_len_for(r.num_blocks, r.block_size, seqs)
-        fits = memory_report(model=llama, device_memory_gb=24, max_model_len=length).num_seqs
-        more = memory_report(model=llama, device_memory_gb=24,
+        fits = memory_report(model=str(llama), device_memory_gb=24, max_model_len=length).num_seqs
+        more = memory_report(model=str(llama), device_memory_gb=24,
                              max_model_len=length + r.block_size).num_seqs
         expect(fits >= seqs > more, f"max_model_len_for(..., {seqs}) = {length}: at that length "
                f"{fits} sequences fit, at {length + r.block_size} {more}; the answer is the "
@@ -116,7 +152,8 @@ def check_kv_sizing(mod, say) -> None:
 
 
 # -- 7.3 top-k without a sort -----------------------------------------------------------------
-SORTS = {"sort", "sorted", "argsort", "msort"}
+SORTS = {"sort", "sorted", "argsort", "msort", "topk", "kthvalue", "quantile", "nanquantile",
+         "median", "nanmedian", "unique", "mode"}
 
 
 def check_top_k(mod, say) -> None:
@@ -137,8 +174,8 @@ def check_top_k(mod, say) -> None:
                     for node in ast.walk(ast.parse(Path(mod.__file__).read_text()))
                     if isinstance(node, (ast.Attribute, ast.Name))
                     and (node.attr if isinstance(node, ast.Attribute) else node.id) in SORTS})
-    expect(not named, f"your file uses {', '.join(named)}: find each row's cut-off without "
-           "sorting")
+    expect(not named, f"your file uses {', '.join(named)}: find each row's cut-off by comparing "
+           "and counting, without ordering a row")
     ops: list[tuple[str, tuple]] = []
 
     class Watch(TorchDispatchMode):
@@ -148,16 +185,13 @@ def check_top_k(mod, say) -> None:
     with Watch():
         got = mod.top_k_mask(logits.clone(), top_k)
     sorts = sorted({name for name, _ in ops if name.lstrip("_").split("_")[0] in SORTS})
-    expect(not sorts, f"your code sorted ({', '.join(sorts)}): find each row's cut-off without "
-           "sorting the vocabulary")
-    largest = max((args[1] for name, args in ops if name == "topk"), default=0)
-    expect(largest < vocab, f"topk over the whole vocabulary (k = {largest}) is a sort in "
-           "disguise: no row needs that many")
+    expect(not sorts, f"your code ordered a row ({', '.join(sorts)}): find each row's cut-off "
+           "by comparing and counting")
     expect(got.shape == want.shape and torch.equal(got, want),
            f"rows {sorted(set(torch.nonzero(got != want)[:, 0].tolist()))} differ from nanoserve's "
            "top-k: keep each row's k largest logits and every logit tied with the k-th, set the "
            "rest to -inf; rows with top_k >= vocab keep everything")
-    say("6 rows with ties, top_k 1..vocab: equal to nanoserve's sampler, no sort of a row")
+    say("6 rows with ties, top_k 1..vocab: equal to nanoserve's sampler, no row ordered")
 
 
 class Exercise(NamedTuple):
@@ -170,16 +204,26 @@ EXERCISES = {
     "1.3": Exercise("lesson1_engine_loop.py", "the engine loop, by hand", check_engine_loop),
     "2.3": Exercise("lesson2_paged_decode.py", "decode attention through a block table",
                     check_paged_decode),
+    "2.4": Exercise("lesson2_batch_indices.py", "positions, slot_mapping, query_start_loc",
+                    engine.check_batch_indices),
     "3.3": Exercise("lesson3_shortest_job_first.py", "a shortest-job-first waiting queue",
                     scheduling.check_shortest_job_first),
     "3.4": Exercise("lesson3_static_batching.py", "static batching, to compare",
                     scheduling.check_static_batching),
+    "3.5": Exercise("lesson3_chunked_running.py", "the running half of the scheduler",
+                    engine.check_schedule_running),
     "4.3": Exercise("lesson4_cheapest_victim.py", "preempt the cheapest request to recompute",
                     scheduling.check_cheapest_victim),
+    "4.4": Exercise("lesson4_allocate_slots.py", "allocate_slots, all or nothing",
+                    engine.check_allocate_slots),
     "5.3": Exercise("lesson5_hit_count_eviction.py", "evict the block with the fewest hits",
                     scheduling.check_hit_count_eviction),
-    "6.3": Exercise("lesson6_kv_sizing.py", "the KV budget in numbers", check_kv_sizing),
-    "7.3": Exercise("lesson7_top_k.py", "top-k without sorting the vocabulary", check_top_k),
+    "5.4": Exercise("lesson5_hash_chain.py", "the prefix-cache hash chain",
+                    engine.check_hash_chain),
+    "6.3": Exercise("lesson6_kv_sizing.py", "the KV budget from a config.json", check_kv_sizing),
+    "7.3": Exercise("lesson7_top_k.py", "top-k by comparing and counting", check_top_k),
+    "7.4": Exercise("lesson7_exponential_race.py", "the sampler's exponential race",
+                    engine.check_exponential_race),
 }
 
 

@@ -119,7 +119,7 @@ class Probe:
         self.finished: dict[str, float] = {}
         self._wrap(core.scheduler, "schedule", "schedule", self._record)
         self._wrap(core.runner, "prepare_inputs", "prepare inputs")
-        self._wrap(core.runner.model, "forward", "forward")
+        self._wrap(core.runner.backend, "forward", "forward")    # the model, or the fused step
         self._wrap(core.runner, "sampler", "sample")
         self._wrap(core.scheduler, "update", "update", self._tokens)
         self.start = time.perf_counter()

@@ -51,9 +51,29 @@ from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
 
 
+def batch_indices(num_scheduled: torch.Tensor, num_computed: torch.Tensor,
+                  block_tables: torch.Tensor, block_size: int):
+    """(positions, slot_mapping, query_start_loc) of one flat batch, int64: request r's tokens are
+    rows query_start_loc[r]:query_start_loc[r + 1], at positions num_computed[r] onwards, each
+    stored in the slot its block table gives (block_tables: [num_reqs, max_blocks], padded)."""
+    query_start_loc = torch.zeros(len(num_scheduled) + 1, dtype=torch.long)
+    torch.cumsum(num_scheduled, 0, out=query_start_loc[1:])
+    # Token t of request r sits at position num_computed[r] + (t - query_start_loc[r]).
+    req_of_token = torch.repeat_interleave(torch.arange(len(num_scheduled)), num_scheduled)
+    positions = (torch.arange(int(query_start_loc[-1]))
+                 - (query_start_loc[:-1] - num_computed)[req_of_token])
+    slot_mapping = (block_tables[req_of_token, positions // block_size].long() * block_size
+                    + positions % block_size)
+    return positions, slot_mapping, query_start_loc
+
+
 class ModelRunner:
     """`tp` and `device`: given by a tensor-parallel Worker (worker.py); then the model is this
     rank's shard, the KV cache holds this rank's KV heads, and only rank 0 samples."""
+
+    # The flat batch's indices; lesson 2's exercise 2.4 runs an engine with a student's function
+    # here instead (runner.batch_indices = theirs), to check it against HF's greedy tokens.
+    batch_indices = staticmethod(batch_indices)
 
     def __init__(self, config: Config, tp: TensorParallel = SINGLE,
                  device: Optional[torch.device] = None):
@@ -167,16 +187,11 @@ class ModelRunner:
         num_scheduled = torch.tensor(out.num_scheduled_tokens)
         num_computed = torch.tensor(out.num_computed_tokens)
         seq_lens = num_computed + num_scheduled
-        query_start_loc = torch.zeros(len(out.requests) + 1, dtype=torch.long)
-        torch.cumsum(num_scheduled, 0, out=query_start_loc[1:])
-        # Token t of request r sits at position num_computed[r] + (t - query_start_loc[r]).
-        req_of_token = torch.repeat_interleave(torch.arange(len(out.requests)), num_scheduled)
-        positions = torch.arange(len(input_ids)) - (query_start_loc[:-1] - num_computed)[req_of_token]
         max_blocks = max(len(bt) for bt in out.block_tables)
         block_tables = torch.tensor([bt + [0] * (max_blocks - len(bt)) for bt in out.block_tables],
                                     dtype=torch.int32)
-        slot_mapping = (block_tables[req_of_token, positions // self.block_size].long()
-                        * self.block_size + positions % self.block_size)
+        positions, slot_mapping, query_start_loc = self.batch_indices(
+            num_scheduled, num_computed, block_tables, self.block_size)
         samples = [c + n == req.num_tokens for req, n, c in
                    zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)]
         logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]

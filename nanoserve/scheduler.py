@@ -14,8 +14,8 @@ Order within a step: running requests first (in admission order), then waiting o
 (FCFS, or by priority) while the budget, `max_num_seqs` seats and free blocks last. When
 a running request cannot get a block, the last-admitted running request (under
 `priority`: the lowest-priority one) is preempted: its blocks are freed, its
-`num_computed_tokens` goes back to 0, and it returns to the front of the waiting queue
-(recompute preemption). Its full blocks keep their hashes, so it usually resumes with
+`num_computed_tokens` goes back to 0, and it returns to the waiting queue (recompute
+preemption): at the front under FCFS, sorted into its place under `priority`. Its full blocks keep their hashes, so it usually resumes with
 a prefix-cache hit.
 
 `update()` takes the sampled tokens, applies the stop checks (EOS unless ignore_eos,

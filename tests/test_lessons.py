@@ -42,9 +42,33 @@ DETERMINISTIC = ("nanoserve memory", "nanoserve cost")
 FIGURES = {"06": ["21.60 GiB", "14.96 GiB", "0.55 GiB", "6.09 GiB", "3,119", "49,904",
                   "131,072", "$0.15", "$0.60", "$2.69", "86,400", "$810.00", "$1,936.80",
                   "432,000", "239,111", "23.1%"]}
+# Figures in lessons 02-05's prose that a workload report or a trace frame must show (those
+# outputs are checked against today's runs, timings masked: test_every_command_runs). Figures
+# derived from them (sums, ratios) are recomputed in test_derived_figures_in_the_text.
+FIGURES.update({
+    "02": ["332 tokens", "384 slots", "86% used", "2048 slots", "16% used"],
+    "04": ["240 computed tokens", "48 of 440 prompt tokens hit"],
+    "05": ["448 of 640 prompt tokens"],
+})
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
 TOTAL_LIMIT_S = 300         # every command and image of all seven lessons together
 seconds_per_lesson: dict[str, float] = {}
+
+
+def is_stable(command: str) -> bool:
+    """Workload reports and trace frames: steps, tokens, blocks, hits and preemptions are the same
+    on every machine (model text is not: float rounding differs between CPUs)."""
+    return (("lessons/workload.py" in command or command.startswith("nanoserve trace"))
+            and "--show" not in command and "--plot" not in command)
+
+
+def stable(output: str) -> str:
+    """An output without its timings: the latency, time and per-step lines, `t = ... s` and the
+    milliseconds of `--debug 1` lines."""
+    lines = [line for line in output.splitlines()
+             if not line.startswith(("latency (ms)", "time ", "per step (ms)"))]
+    text = "\n".join(lines)
+    return re.sub(r"t = [\d.]+ s *", "t = ", re.sub(r"[\d.]+ ms", "ms", text))
 
 
 def section(text: str, heading: str) -> str:
@@ -111,6 +135,9 @@ def test_every_command_runs(path, tmp_path):
                 assert code == 0, f"{part.command}\n{out}"
             if part.command.startswith(DETERMINISTIC):
                 assert out == part.output, f"{part.command}: the lesson shows an old output"
+            elif is_stable(part.command):
+                assert stable(out) == stable(part.output), \
+                    f"{part.command}: the lesson shows an old output (timings aside)"
         assert seconds < COMMAND_LIMIT_S, part.command
         total += seconds
     seconds_per_lesson[path.name] = total
@@ -190,19 +217,85 @@ def test_readmes_link_every_lesson():
         assert f"({path.name})" in index, f"lessons/README.md does not link {path.name}"
 
 
+def shown_outputs(path: Path) -> tuple[list[str], str]:
+    """(the lesson's checked outputs, in order; its prose, code blocks out, whitespace collapsed)."""
+    text = path.read_text()
+    outputs = [p.output for p in assets.parse(text.splitlines()) if p.kind == "command"
+               and (p.command.startswith(DETERMINISTIC) or is_stable(p.command))]
+    prose = re.sub(r"\s+", " ", re.sub(r"```.*?```", "", text, flags=re.S)).replace("**", "")
+    return outputs, prose
+
+
+def report(output: str, line: str) -> list[int]:
+    """The integers of a workload report's line (`steps`, `tokens`, `preemptions`...)."""
+    found = [l for l in output.splitlines() if l.startswith(line)]
+    assert found, f"no {line!r} line in\n{output}"
+    return [int(x) for x in re.findall(r"\d+", found[0].replace(",", ""))]
+
+
+def frame(output: str) -> tuple[dict[str, str], dict[int, str]]:
+    """A `nanoserve trace --step N` frame: ({request: its timeline row}, {block id: its label})."""
+    rows = dict(re.findall(r"^│ (\d+) (\S+)", output, re.M))
+    cells = {}
+    for base, labels in re.findall(r"^│ +(\d+) │((?: +\S+)+) +│$", output, re.M):
+        cells.update({int(base) + i: label for i, label in enumerate(labels.split())})
+    return rows, cells
+
+
+def test_figures_read_off_the_replay_frames():
+    """What lessons 02-04 say they see in a replay frame is what the frame shows."""
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("02")))
+    _, cells = frame(next(o for o in outputs if "KV block pool" in o and "steps 1-20" in o))
+    for request, says in (("1", "holds blocks"), ("7", "holds")):
+        held = [b for b, label in sorted(cells.items()) if label == request]
+        assert f"request {request} {says} {held[0]}, {held[1]} and {held[2]}" in prose
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("03")))
+    five = next(o for o in outputs if "steps 1-5" in o)
+    assert "prefill 31, decode 1" in five and "a 31-token chunk" in prose
+    assert frame(five)[0]["0"].startswith("▒▒▒▒█") and 3 * 32 + 4 == 100
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("04")))
+    eighteen = next(o for o in outputs if "steps 1-18" in o)
+    preempted_at = {r: row.index("✗") + 1 for r, row in frame(eighteen)[0].items() if "✗" in row}
+    assert preempted_at == {"2": 18, "3": 10, "4": 2}, preempted_at
+    assert "Requests 4 and 3 went the same way at steps 2 and 10" in prose
+    assert "2 preempted (40 tokens dropped)" in eighteen and "dropping 40 computed tokens" in prose
+
+
+def test_derived_figures_in_the_text():
+    """Sums and ratios the prose of lessons 03 and 04 computes from the outputs it shows."""
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("03")))
+    steps = [int(s) for s in re.findall(r"^steps +(\d+):", outputs[0], re.M)]
+    assert steps[0] == 8 * 8 + 8 * 48 and f"One seat needs {steps[0]} steps" in prose
+    assert f"Sixteen seats need {steps[2]}" in prose and steps[2] == 48
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("04")))
+    storm, sized = outputs[0], outputs[-1]
+    computed, saved, needed = report(storm, "tokens")
+    dropped = report(storm, "preemptions")[1]
+    assert f"{report(storm, 'steps')[0]} steps with {report(storm, 'preemptions')[0]} " \
+           f"preemptions" in prose
+    assert f"{computed - needed} of them are computed again: {computed} tokens computed where " \
+           f"{needed} were needed, {round(100 * (computed - needed) / needed)}% extra work" in prose
+    assert f"The other {dropped - (computed - needed)} are saved" in prose and saved == 48
+    assert -(-(24 + 40 - 1) // 8) == 8 and "ceil(63 / 8) = 8" in prose
+    assert f"in {report(sized, 'steps')[0]} steps without a preemption" in prose
+    assert f"against the storm's {report(storm, 'steps')[0]}" in prose
+    outputs, prose = shown_outputs(next(p for p in LESSONS if p.name.startswith("05")))
+    computed, hit, total = report(outputs[0], "tokens")
+    assert (hit, report(outputs[0], "prefix cache")[:2]) == (7 * 64, [7 * 64, 8 * 80])
+    assert f"{hit} of {8 * 80} prompt tokens, {round(100 * hit / (8 * 80))}%" in prose
+    assert report(outputs[2], "tokens")[1] == 0 and "the hit rate is 0%" in prose
+
+
 @pytest.mark.parametrize("lesson", list(FIGURES))
 def test_figures_in_the_text_are_in_the_outputs(lesson):
     """A figure quoted in the prose is one a deterministic command shows (test_every_command_runs
     checks that those outputs are current), not a number typed in by hand."""
     path = next(p for p in LESSONS if p.name.startswith(lesson))
-    text = path.read_text()
-    parts = assets.parse(text.splitlines())
-    shown = "\n".join(p.output for p in parts if p.kind == "command"
-                      and p.command.startswith(DETERMINISTIC))
-    prose = re.sub(r"\s+", " ", re.sub(r"```.*?```", "", text, flags=re.S))
+    outputs, prose = shown_outputs(path)
+    shown = "\n".join(outputs)
     for figure in FIGURES[lesson]:
         assert figure in shown, f"{path.name}: no deterministic output shows {figure}"
-        assert figure in prose.replace("**", ""), f"{path.name} does not quote {figure}"
+        assert figure in prose, f"{path.name} does not quote {figure}"
 
 
 def test_slot_arithmetic_examples_are_right():

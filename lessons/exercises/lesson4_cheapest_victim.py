@@ -1,14 +1,18 @@
 """Exercise 4.3: preempt the request that is cheapest to recompute (lesson 04-preemption.md).
 
 When a running request needs a block and the pool is empty, nanoserve's scheduler asks
-`self._pick_victim()` whom to preempt, and today that is the last-admitted running request
-(`self.running[-1]`). Recompute preemption throws the victim's KV away, so the work lost is
-its `num_computed_tokens`. Goal: `_pick_victim` returns the running request whose
-preemption loses the least work; among equals, the one admitted last (latest in
-`self.running`). It only chooses: the scheduler removes and preempts the request it returns.
+`self._pick_victim()` whom to preempt; today that is the last-admitted running request.
+Goal: preempt the running request whose preemption costs the least work when it resumes
+(lesson 4: what does recompute preemption throw away, and what must be computed again?);
+among equal costs, the one admitted last (latest in `self.running`). It only chooses: the
+scheduler removes and preempts the request it returns.
 
-The check runs a workload that preempts, asserts every victim had the fewest computed
-tokens, and prints how many tokens each policy computed in all.
+Interface: `_pick_victim(self) -> Request`, one of `self.running` (admission order). A
+Request (nanoserve/request.py) knows its tokens and its progress; the KV cache manager
+(`self.kv`) knows its blocks.
+
+The check runs a workload that preempts on the model-free engine, checks every victim, and
+prints how many tokens each policy computed in all.
 Check: `nanoserve exercise check 4.3`.
 """
 

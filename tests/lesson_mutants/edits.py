@@ -78,13 +78,97 @@ EDITS = {
             [("sorted(self.free_queue.values(),", "sorted(reversed(self.free_queue.values()),")]),
     },
     "lesson6_kv_sizing": {
-        "k_only": ("counts K but not V", [("return 2 * num_layers", "return num_layers")]),
-        "rounded_blocks": (
-            "rounds the block count to the nearest, promising a block the budget cannot hold",
-            [("int(kv_budget_bytes // (bytes_per_token * block_size))",
-              "round(kv_budget_bytes / (bytes_per_token * block_size))")]),
+        "k_only": ("counts K but not V", [("return 2 * config", "return config")]),
+        "head_dim_from_hidden": (
+            "always derives head_dim from hidden_size, though a config may set its own",
+            [('config.get("head_dim") or ', "")]),
+        "kv_heads_not_split": (
+            "forgets that each GPU holds only its share of the KV heads",
+            [("max(1, kv_heads // tensor_parallel_size)", "kv_heads")]),
+        "no_replica": (
+            "splits the KV heads even when there are fewer than GPUs: zero heads, zero bytes",
+            [("max(1, kv_heads // tensor_parallel_size)", "kv_heads // tensor_parallel_size")]),
         "tokens_not_blocks": (
             "shares the pool's tokens among the sequences, forgetting whole blocks",
             [("num_blocks // num_seqs * block_size", "num_blocks * block_size // num_seqs")]),
+    },
+    "lesson2_batch_indices": {
+        "positions_from_zero": (
+            "numbers each request's tokens from 0, forgetting the tokens already in its cache "
+            "(right for a first prefill only)",
+            [("positions = num_computed[req_of_token] + offset_in_request",
+              "positions = offset_in_request")]),
+        "logical_block_as_physical": (
+            "takes the logical block for the physical one, as if every request's blocks were "
+            "contiguous from block 0",
+            [("physical = block_tables[req_of_token, positions // block_size].long()",
+              "physical = positions // block_size")]),
+        "offset_within_the_step": (
+            "takes the offset in the block from the token's place in this step, not from its "
+            "position in the request",
+            [("+ positions % block_size", "+ offset_in_request % block_size")]),
+    },
+    "lesson3_chunked_running": {
+        "no_budget_cap": (
+            "gives every running request all it lacks, past the step's token budget",
+            [("num_new = min(request.num_tokens - request.num_computed_tokens, budget)",
+              "num_new = request.num_tokens - request.num_computed_tokens")]),
+        "decode_only": (
+            "one token per running request, as if running meant decoding: a prompt being "
+            "computed in chunks crawls on one token a step",
+            [("num_new = min(request.num_tokens - request.num_computed_tokens, budget)",
+              "num_new = min(1, budget)")]),
+        "stops_at_any_preemption": (
+            "ends the step's running half whenever someone was preempted, though the requests "
+            "admitted before the victim still have their blocks",
+            [("if request in victims:", "if victims:")]),
+    },
+    "lesson4_allocate_slots": {
+        "floor_blocks": (
+            "counts whole blocks by rounding down: the last, partly filled block is missing",
+            [("-(-total // self.block_size)", "total // self.block_size")]),
+        "empty_table_left": (
+            "registers the request's block table before knowing the allocation succeeds: a "
+            "failed admission leaves an empty table behind",
+            [("held = self.req_to_block_ids.get(request.request_id, [])",
+              "held = self.req_to_block_ids.setdefault(request.request_id, [])")]),
+        "one_block_spare": (
+            "always takes one block more than needed, just in case",
+            [("- len(held))", "- len(held)) + 1")]),
+    },
+    "lesson5_hash_chain": {
+        "no_parent": (
+            "hashes each block's tokens alone: a block that repeats, or reappears at another "
+            "position, is taken for one whose K/V were computed after other tokens",
+            [("hashlib.sha256(hashes[-1] if hashes else b\"\")", "hashlib.sha256(b\"\")")]),
+        "hashes_partial_block": (
+            "hashes the last block while it is still partly filled; the hash is never redone "
+            "when the block fills up",
+            [("len(tokens) // size)", "-(-len(tokens) // size))")]),
+        "parent_is_first_block": (
+            "chains every block to the first block's hash instead of its own parent's",
+            [("hashes[-1] if hashes", "hashes[0] if hashes")]),
+    },
+    "lesson7_exponential_race": {
+        "uniform_noise": (
+            "races with uniform noise instead of exponential: argmax p_i / U_i does not pick "
+            "token i with probability p_i",
+            [("noise = (-torch.log1p(-noise))", "noise = (noise)")]),
+        "times_noise": ("multiplies by the noise instead of dividing",
+                        [("(probs / noise)", "(probs * noise)")]),
+        "batch_noise_only": (
+            "draws every row's noise from the batch's generator, ignoring the seeded rows' own",
+            [("        for row, generator in generators.items():\n"
+              "            noise[row].uniform_(generator=generator)\n", "")]),
+    },
+    "lesson7_top_k": {
+        "strict_count": (
+            "keeps a threshold only while more than k logits reach it: one logit too few",
+            [(">= k\n", "> k\n")]),
+        "masks_ties": ("masks the k-th largest too, and every logit tied with it",
+                       [("(keys < low)", "(keys <= low)")]),
+        "raw_float_bits": (
+            "bisects over the raw bit patterns, whose order is backwards for negative floats",
+            [("return torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)", "return bits")]),
     },
 }

@@ -1,0 +1,260 @@
+"""checks_engine.py: the checks of the build-the-mechanism exercises (2.4, 3.5, 4.4, 5.4, 7.4), run
+by lessons/checks.py.
+
+Each exercise writes one piece of the engine itself: the flat batch's indices, the running half of
+the scheduler, allocate_slots, the prefix-cache hash chain, the sampler's exponential race. The
+check swaps the learner's piece into the real engine, through the same public attributes that
+lessons/workload.py uses (`engine.scheduler`, `engine.kv_cache_manager`, `runner.sampler`,
+`runner.batch_indices`), and asks for HF transformers' greedy tokens, in a pool so small that
+requests are preempted and with a budget so small that prompts are chunked. Where a rule can be
+stated (all or nothing, the same hits as nanoserve's chain), a wrapper checks every call as well,
+so that a wrong piece fails with a message about the call that went wrong.
+"""
+
+from __future__ import annotations
+
+import random
+
+from check_kit import (expect, expect_hf_greedy, fake_engine, forbid, prompt_ids, small_llm)
+from checks_scheduler import scheduler_of
+
+
+# -- 2.4 the flat batch: positions, slot_mapping, query_start_loc -----------------------------
+def check_batch_indices(mod, say) -> None:
+    import torch
+
+    from nanoserve import model_runner
+    names = ("positions", "slot_mapping", "query_start_loc")
+    calls = 0
+
+    def checked(num_scheduled, num_computed, block_tables, block_size):
+        nonlocal calls
+        args = (num_scheduled, num_computed, block_tables, block_size)
+        got = mod.batch_indices(*(a.clone() if torch.is_tensor(a) else a for a in args))
+        want = model_runner.batch_indices(*args)
+        expect(isinstance(got, tuple) and len(got) == 3, "return (positions, slot_mapping, "
+               "query_start_loc)")
+        for name, g, w in zip(names, got, want):
+            expect(torch.is_tensor(g) and g.dtype == torch.int64 and torch.equal(g, w),
+                   f"num_scheduled {num_scheduled.tolist()}, num_computed "
+                   f"{num_computed.tolist()}, block_tables {block_tables.tolist()}, block_size "
+                   f"{block_size}: your {name} is {g.tolist() if torch.is_tensor(g) else g}, "
+                   f"it should be {w.tolist()} (int64)")
+        calls += 1
+        return got
+    checked(torch.tensor([1, 3]), torch.tensor([9, 0]),
+            torch.tensor([[7, 1, 3], [5, 0, 0]], dtype=torch.int32), 4)
+    say("the module docstring's example: a decode at position 9 and a 3-token prefill")
+    llm = small_llm()
+    llm.engine.runner.batch_indices = checked
+    expect_hf_greedy(llm, prompt_ids(llm))
+    expect(llm.engine.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
+    say(f"4 prompts, chunked and preempted, {calls} steps with your indices: HF's greedy tokens")
+
+
+# -- 3.5 the running half of the scheduler ------------------------------------------------------
+def steps_of(outputs) -> list[tuple]:
+    return [([(r.request_id, n) for r, n in zip(o.requests, o.num_scheduled_tokens)],
+             o.preempted_req_ids) for o in outputs]
+
+
+def running_contract(sched) -> None:
+    """Wrap _schedule_running: only running requests get tokens, within the budget, and the
+    budget returned is what is left."""
+    inner = sched._schedule_running
+
+    def checked(budget, scheduled, preempted):
+        left = inner(budget, scheduled, preempted)
+        running = {r.request_id for r in sched.running}
+        gone = [rid for rid in scheduled if rid not in running]
+        expect(not gone, f"{gone} got tokens but is not running (preempted?): a request that "
+               "was preempted, itself included, must leave `scheduled`")
+        used = sum(scheduled.values())
+        expect(used <= budget and left == budget - used, f"budget {budget}: you scheduled {used} "
+               f"tokens and returned {left} as left")
+        return left
+    sched._schedule_running = checked
+
+
+def check_schedule_running(mod, say) -> None:
+    from nanoserve.scheduler import Scheduler
+    fake = fake_engine()
+    rng = random.Random(2)       # short prompts and long ones (longer than the budget)
+    spec = [(f"r{i}", [rng.randrange(1, 50) for _ in range(
+        rng.choice([rng.randint(2, 8), rng.randint(20, 40)]))], rng.randint(4, 20))
+        for i in range(10)]
+    runs = {}
+    for name, cls in (("nanoserve", Scheduler), ("yours", mod.ChunkedRunningScheduler)):
+        sched = scheduler_of(cls, num_blocks=20, max_num_batched_tokens=16)
+        if cls is not Scheduler:
+            running_contract(sched)
+        outs, steps = fake.run(sched, [fake.make_request(*s) for s in spec],
+                               check=lambda s: s.kv.check_invariants())
+        for rid, prompt, max_tokens in spec:
+            expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
+                   f"request {rid} produced the wrong tokens")
+        runs[name] = (steps_of(steps), sched.num_preemptions_total)
+    expect(runs["nanoserve"][1] > 0, "no preemption (check bug)")
+    for i, (want, got) in enumerate(zip(*[runs[k][0] for k in ("nanoserve", "yours")]), 1):
+        expect(want == got, f"step {i}: nanoserve schedules {want[0]} (preempted {want[1]}); "
+               f"yours {got[0]} (preempted {got[1]})")
+    expect(len(runs["yours"][0]) == len(runs["nanoserve"][0]), "a different number of steps")
+    say(f"10 requests, budget 16, 20 blocks: every one of {len(runs['yours'][0])} steps as "
+        f"nanoserve's, {runs['yours'][1]} preemptions, every token right")
+    llm = small_llm()
+    core = llm.engine
+    core.scheduler = mod.ChunkedRunningScheduler(core.config, core.kv_cache_manager, core.tracer)
+    running_contract(core.scheduler)
+    expect_hf_greedy(llm, prompt_ids(llm))
+    expect(core.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
+    say("in the real engine, chunked and preempted: HF's greedy tokens")
+
+
+# -- 4.4 allocate_slots, all or nothing ------------------------------------------------------------
+def all_or_nothing(kv) -> None:
+    """Wrap allocate_slots: None changes nothing (and only when the free blocks are too few);
+    success gives the request exactly the blocks its tokens need, taken from the free ones."""
+    inner, bs = kv.allocate_slots, kv.block_size
+
+    def checked(request, num_new_tokens, *args):
+        rid = request.request_id
+        before = (kv.pool.num_free_blocks, {k: list(v) for k, v in kv.req_to_block_ids.items()})
+        free = set(kv.pool.free_queue)
+        got = inner(request, num_new_tokens, *args)
+        total = request.num_computed_tokens + num_new_tokens
+        needed = -(-total // bs) - len(before[1].get(rid, []))
+        call = f"allocate_slots({rid}, {num_new_tokens}) with {request.num_computed_tokens} " \
+               f"computed, {len(before[1].get(rid, []))} blocks held, {before[0]} free"
+        if got is None:
+            after = (kv.pool.num_free_blocks, {k: list(v) for k, v in kv.req_to_block_ids.items()})
+            expect(after == before, f"{call} returned None but changed the pool or the block "
+                   f"tables: all or nothing")
+            expect(needed > before[0], f"{call} returned None, yet {needed} blocks were enough")
+            return None
+        table = kv.req_to_block_ids.get(rid, [])
+        expect(len(table) * bs >= total and (len(table) - 1) * bs < total, f"{call}: the request "
+               f"now holds {len(table)} blocks of {bs} for {total} tokens")
+        expect(list(got) == table[len(table) - len(got):] and set(got) <= free,
+               f"{call} returned {got}: the ids of the blocks newly taken from the free queue")
+        return got
+    kv.allocate_slots = checked
+
+
+def student_kv(mod, num_blocks, block_size, tracer=None):
+    from nanoserve.trace import NULL_TRACER
+    kv = mod.MyKVCacheManager(num_blocks, block_size, False, tracer or NULL_TRACER)
+    all_or_nothing(kv)
+    return kv
+
+
+def check_allocate_slots(mod, say) -> None:
+    from nanoserve.scheduler import Scheduler
+    fake = fake_engine()
+    rng = random.Random(2)
+    spec = [(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randint(1, 30))],
+             rng.randint(1, 20)) for i in range(10)]
+    sched = scheduler_of(Scheduler, num_blocks=16, enable_prefix_caching=False)
+    sched.kv = student_kv(mod, 16, 4)
+    outs, _ = fake.run(sched, [fake.make_request(*s) for s in spec],
+                       check=lambda s: s.kv.check_invariants())
+    for rid, prompt, max_tokens in spec:
+        expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
+               f"request {rid} produced the wrong tokens")
+    expect(sched.num_preemptions_total > 0, "no preemption (check bug)")
+    say(f"10 requests in 16 blocks, {sched.num_preemptions_total} preemptions: every call all or "
+        "nothing, exactly the blocks needed; KV invariants hold")
+    llm = small_llm(enable_prefix_caching=False)
+    core = llm.engine
+    core.kv_cache_manager = core.scheduler.kv = student_kv(
+        mod, core.config.num_kv_blocks, core.config.block_size, core.tracer)
+    expect_hf_greedy(llm, prompt_ids(llm))
+    expect(core.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
+    say("in the real engine, preempted: HF's greedy tokens, every block freed")
+
+
+# -- 5.4 the prefix-cache hash chain ------------------------------------------------------------
+def hash_chain_requests(fake):
+    """One after another, bs 4: repeated blocks, a block seen before at another position, and a
+    prompt that continues an earlier request's output (its last block was full only then)."""
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]
+    first = fake.make_request("first", a + a + b + [9], 6)
+    yield first
+    yield fake.make_request("same-start", a + c + [7], 3)
+    yield fake.make_request("moved-block", b + a + [1], 3)
+    yield fake.make_request("repeat", a + a + a + [2], 3)
+    yield fake.make_request("continues", first.all_token_ids[:18] + [42, 43], 3)
+
+
+def check_hash_chain(mod, say) -> None:
+    from nanoserve.kv_cache import KVCacheManager
+    from nanoserve.scheduler import Scheduler
+    forbid(mod, {"hash_block", "block_hashes_of"}, "build the chain from hashlib yourself")
+    fake = fake_engine()
+    hits = {}
+    for name, cls in (("nanoserve", KVCacheManager), ("yours", mod.HashChainKVCacheManager)):
+        sched = scheduler_of(Scheduler, num_blocks=32)
+        sched.kv = cls(32, 4, True)
+        runner, hits[name] = fake.FakeRunner(32, 4), {}
+        for request in hash_chain_requests(fake):
+            before = sched.kv.prefix_cache_hits
+            fake.run(sched, [request], check=lambda s: s.kv.check_invariants(), runner=runner)
+            expect(request.output_token_ids == fake.reference_tokens(
+                request.prompt_token_ids, request.max_tokens), f"{request.request_id} produced "
+                "the wrong tokens")
+            rid = request.request_id
+            hits[name][rid] = got = sched.kv.prefix_cache_hits - before
+            want = hits["nanoserve"][rid]
+            expect(got == want, f"{rid} (prompt {request.prompt_token_ids}, after "
+                   f"{list(hits[name])[:-1]}) hit {got} tokens of the prefix cache; nanoserve's "
+                   f"chain hits {want}")
+    say(f"repeated, moved and continued blocks: the same prefix hits as nanoserve's chain "
+        f"{hits['yours']}")
+    llm = small_llm(num_kv_blocks=32, max_model_len=64)
+    core = llm.engine
+    core.kv_cache_manager = core.scheduler.kv = mod.HashChainKVCacheManager(
+        32, 4, True, core.tracer)
+    a, b = prompt_ids(llm)[2][:4], prompt_ids(llm)[3][:4]
+    for prompt in (a + a + b + [9], b + a + [9], a + a + a + [9]):     # one after another
+        expect_hf_greedy(llm, [prompt], 8)
+    expect(core.kv_cache_manager.prefix_cache_hits > 0, "no prefix hit at all")
+    say("in the real engine, repeated and moved blocks: HF's greedy tokens")
+
+
+# -- 7.4 the exponential race ---------------------------------------------------------------------
+def check_exponential_race(mod, say) -> None:
+    import torch
+
+    from nanoserve import SamplingParams
+    forbid(mod, {"multinomial", "_sample_reference"}, "draw each row's noise yourself")
+    sampler = mod.ExponentialRaceSampler(torch.Generator().manual_seed(0))
+    logits = torch.tensor([[2.0, 1.0, 0.0, float("-inf"), -1.0]] * 4000)
+    probs = logits[0].softmax(-1)
+    tokens = sampler._sample(logits.clone(), {})
+    expect(tokens.shape == (4000,) and tokens.dtype == torch.int64, "return one int64 token id "
+           f"per row (got {tuple(tokens.shape)}, {tokens.dtype})")
+    freq = torch.bincount(tokens, minlength=5).float() / 4000
+    expect(freq[3] == 0, "a token whose logit is -inf was drawn")
+    expect((freq - probs).abs().max() < 0.03, f"4000 draws: frequencies {freq.tolist()}, the "
+           f"softmax is {probs.tolist()}: token i must win with probability p_i")
+    say(f"4000 draws follow the softmax within 0.03: {[round(f, 3) for f in freq.tolist()]}")
+    row = torch.randn(1, 50)
+    alone = sampler._sample(row.clone(), {0: torch.Generator().manual_seed(7)})
+    batch = torch.cat([torch.randn(2, 50), row, torch.randn(1, 50)])
+    together = sampler._sample(batch, {2: torch.Generator().manual_seed(7)})
+    expect(bool(alone[0] == together[2]), "a row with its own generator drew a different token "
+           "in a batch: its noise must come from its generator alone")
+    say("a seeded row draws the same token alone and as row 2 of 4")
+    llm = small_llm()
+    runner = llm.engine.runner
+    runner.sampler = mod.ExponentialRaceSampler(runner.sampler.generator, runner.sampler.argmax)
+    prompt = prompt_ids(llm)[0]
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": prompt}, seeded, progress=False)[0]
+    mixed = llm.generate([{"prompt_token_ids": p} for p in prompt_ids(llm)[1:]] +
+                         [{"prompt_token_ids": prompt}],
+                         [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 3
+                         + [seeded], progress=False)[-1]
+    expect(alone.outputs[0].token_ids == mixed.outputs[0].token_ids, "seed 3: different tokens "
+           "alone and in a batch of four")
+    expect_hf_greedy(llm, prompt_ids(llm)[:2], 12)
+    say("in the real engine: a seeded request repeats in a mixed batch; greedy rows are HF's")
