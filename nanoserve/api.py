@@ -334,7 +334,14 @@ class OpenAIServer(Starlette):
     def collect(self):                    # the registry's call, at each scrape
         for name, value in self.engine.get_stats().items():
             family = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-            yield family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']", value=value)
+            if isinstance(value, list):          # one sample per position (spec decode)
+                metric = family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']",
+                                labels=["position"])
+                for position, count in enumerate(value):
+                    metric.add_metric([str(position)], count)
+                yield metric
+            else:
+                yield family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']", value=value)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

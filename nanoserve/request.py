@@ -94,6 +94,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Requests finished or aborted since the last step: the worker drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: request id -> its draft tokens, fed after its last token (they are
+    # counted in num_scheduled_tokens); the runner verifies k + 1 positions (spec_decode.py).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

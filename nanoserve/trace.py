@@ -22,7 +22,9 @@ cached, a plain `alloc` that it was not. Example: block_size 4, request r1 holds
 has computed 6 tokens when it finishes -> block 5 (tokens 0-3, full) stays cached, block 2
 (tokens 4-5) does not. Which requests sampled a token in a step follows the scheduler's rule:
 those whose computed tokens reach prompt_len + tokens generated so far (a prefill chunk samples
-nothing). Torch-free: the tools that read traces never load the engine.
+nothing); a `spec_decode` event then corrects it for requests that verified drafts (each
+gains accepted + 1 tokens, and its rejected drafts leave its computed count). Torch-free: the
+tools that read traces never load the engine.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ FIELDS = {"config": "", "arrive": "req prompt_len max_tokens", "alloc": "req blo
           "prefix_hit": "req blocks tokens", "free": "req blocks", "evict": "block",
           "preempt": "req num_computed_tokens", "step_done": "duration_s sampled",
           "schedule": "scheduled running waiting num_prefill_tokens num_decode_tokens kv_used "
-                      "kv_free kv_cached", "finish": "req reason prompt_len output_len"}
+                      "kv_free kv_cached", "finish": "req reason prompt_len output_len",
+          "spec_decode": "proposed accepted"}
 TYPES = {"t": (int, float), "duration_s": (int, float), "req": str, "reason": str, "blocks": list,
-         "running": list, "waiting": list, "scheduled": dict, "sampled": dict}
+         "running": list, "waiting": list, "scheduled": dict, "sampled": dict, "proposed": dict,
+         "accepted": dict}
 
 
 class Tracer:
@@ -163,6 +167,7 @@ class Frame:
     schedule: dict                  # the step's `schedule` event ({} at step 0)
     notes: list[str]                # what else happened in the step, in words
     cached: set[int] = field(default_factory=set)   # free blocks still holding a hash
+    spec: Optional[tuple[int, int]] = None   # speculative decoding: (drafts, accepted) this step
 
 
 class Trace:
@@ -225,14 +230,16 @@ class _Rebuild:
         self.handlers = {"arrive": self.on_arrive, "evict": self.on_evict, "alloc": self.on_take,
                          "prefix_hit": self.on_take, "free": self.on_free,
                          "preempt": self.on_preempt, "schedule": self.on_schedule,
-                         "step_done": self.on_step_done, "finish": self.on_finish}
+                         "step_done": self.on_step_done, "finish": self.on_finish,
+                         "spec_decode": self.on_spec_decode}
+        self.spec: Optional[tuple[int, int]] = None
 
     def run(self, events: list[dict]) -> None:
         for e in events:
             self.line = e["line"]
             if e["step"] != self.step:
                 self.snapshot()
-                self.step, self.sched, self.notes = e["step"], {}, []
+                self.step, self.sched, self.notes, self.spec = e["step"], {}, [], None
             self.t = e["t"]
             if e["ev"] in self.handlers:          # `config` was read up front
                 self.handlers[e["ev"]](e)
@@ -243,7 +250,7 @@ class _Rebuild:
     def snapshot(self) -> None:
         self.trace.frames[self.step] = Frame(
             self.step, self.t, {b: list(h) for b, h in self.holders.items()},
-            list(self.running), list(self.waiting), self.sched, self.notes)
+            list(self.running), list(self.waiting), self.sched, self.notes, spec=self.spec)
         self.frame_episodes.append(dict(self.episode))
 
     def on_arrive(self, e: dict) -> None:
@@ -301,6 +308,17 @@ class _Rebuild:
             if c + n == r.prompt_len + generated:
                 self.generated[rid] += 1
                 r.token_steps.append(self.step)
+
+    def on_spec_decode(self, e: dict) -> None:
+        """Requests that verified k drafts: on_schedule counted k + 1 tokens as computed and
+        none sampled; each kept `accepted` drafts and gained accepted + 1 tokens."""
+        for rid, k in e["proposed"].items():
+            r, accepted = self.trace.requests[rid], e["accepted"][rid]
+            self.computed[rid] -= k - accepted
+            self.generated[rid] += accepted + 1
+            r.token_steps += [self.step] * (accepted + 1)
+            r.work[self.step] = "decode"
+        self.spec = (sum(e["proposed"].values()), sum(e["accepted"].values()))
 
     def on_step_done(self, e: dict) -> None:
         self.trace.spans[self.step] = (self.t - e["duration_s"], self.t)
