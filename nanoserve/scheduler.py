@@ -22,8 +22,8 @@ a prefix-cache hit.
 stop_token_ids, max_tokens, max_model_len; none before min_tokens) and frees finished
 requests' blocks. Stop *strings* are text, so the front end checks them and aborts.
 
-With speculative decoding on (`speculative_config`), a running request whose step samples
-also gets up to k draft tokens (spec_decode.py), after every running request had its own tokens:
+With speculative decoding on (`speculative_config`), a request whose step samples also gets up
+to k draft tokens (spec_decode.py), from what is left once every request had its own tokens:
 they take budget and KV slots like any token (never preempting anyone for them), and update()
 takes back `num_computed_tokens` of the rejected ones, whose slots the next step overwrites.
 
@@ -126,10 +126,12 @@ class Scheduler:
         scheduled: dict[str, int] = {}       # request id -> new tokens, in batch order
         preempted: list[Request] = []
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
-        drafts = self._schedule_drafts(budget, scheduled) if self.proposer else {}
-        budget -= sum(map(len, drafts.values()))
         if not preempted:                    # a step that had to preempt has no room to admit
             self._schedule_waiting(budget, scheduled)
+        drafts = {}
+        if self.proposer is not None:        # speculation gets what real work left over
+            budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+            drafts = self._schedule_drafts(budget, scheduled)
         requests = [self.requests[rid] for rid in scheduled]
         output = SchedulerOutput(
             requests=requests,

@@ -313,11 +313,12 @@ class _Rebuild:
         """Requests that verified k drafts: on_schedule counted k + 1 tokens as computed and
         none sampled; each kept `accepted` drafts and gained accepted + 1 tokens."""
         for rid, k in e["proposed"].items():
-            r, accepted = self.trace.requests[rid], e["accepted"][rid]
+            r, accepted, n = self.trace.requests[rid], e["accepted"][rid], self.sched["scheduled"][rid]
+            if n == k + 1 and self.computed[rid] - n >= r.prompt_len:
+                r.work[self.step] = "decode"        # one token and its drafts
             self.computed[rid] -= k - accepted
             self.generated[rid] += accepted + 1
             r.token_steps += [self.step] * (accepted + 1)
-            r.work[self.step] = "decode"
         self.spec = (sum(e["proposed"].values()), sum(e["accepted"].values()))
 
     def on_step_done(self, e: dict) -> None:
