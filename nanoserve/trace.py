@@ -219,6 +219,9 @@ class _Rebuild:
         self.holders: dict[int, list[str]] = {}
         self.computed: dict[str, int] = {}        # request -> num_computed_tokens
         self.generated: dict[str, int] = {}       # request -> output tokens so far
+        # request -> its kept drafts of the last step: computed, but not hashed until the next
+        # schedule (allocate_slots hashes only blocks full of tokens known when it runs)
+        self.unhashed: dict[str, int] = {}
         self.episode: dict[int, int] = {}         # free block -> index of its free in `kept_hash`
         self.kept_hash: list[bool] = []           # did that free leave the block cached?
         self.frame_episodes: list[dict[int, int]] = []
@@ -288,7 +291,7 @@ class _Rebuild:
                 del self.holders[b]
                 logical = len(blocks) - 1 - pos
                 self.episode[b] = len(self.kept_hash)
-                full = bool(bs) and (logical + 1) * bs <= self.computed[rid]
+                full = bool(bs) and (logical + 1) * bs <= self.computed[rid] - self.unhashed.get(rid, 0)
                 self.kept_hash.append(bool(self.caching) and full)
         self.computed[rid] = 0     # finish, abort and preemption all start it over
 
@@ -304,7 +307,7 @@ class _Rebuild:
             if not r.work or max(r.work) < max(r.preempt_steps, default=-1):
                 self.trace.prefix_queries += r.prompt_len + generated   # an admission
             r.work[self.step] = "decode" if n == 1 and c >= r.prompt_len else "prefill"
-            self.computed[rid] = c + n
+            self.computed[rid], self.unhashed[rid] = c + n, 0
             if c + n == r.prompt_len + generated:
                 self.generated[rid] += 1
                 r.token_steps.append(self.step)
@@ -317,6 +320,7 @@ class _Rebuild:
             if n == k + 1 and self.computed[rid] - n >= r.prompt_len:
                 r.work[self.step] = "decode"        # one token and its drafts
             self.computed[rid] -= k - accepted
+            self.unhashed[rid] = accepted
             self.generated[rid] += accepted + 1
             r.token_steps += [self.step] * (accepted + 1)
         self.spec = (sum(e["proposed"].values()), sum(e["accepted"].values()))
@@ -327,6 +331,7 @@ class _Rebuild:
     def on_finish(self, e: dict) -> None:
         rid, r = e["req"], self.trace.requests[e["req"]]
         r.finish_step, r.finish_t, r.reason = self.step, self.t, e["reason"]
+        del r.token_steps[e["output_len"]:]      # a verified run a stop cut short kept fewer
         self.running, self.waiting = ([x for x in q if x != rid]
                                       for q in (self.running, self.waiting))
         self.notes.append(f"{rid} finished ({e['reason']}, {e['output_len']} tokens)")

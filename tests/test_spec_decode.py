@@ -10,7 +10,6 @@
     pytest -q tests/test_spec_decode.py
 """
 
-import math
 import random
 
 import pytest
@@ -21,6 +20,7 @@ from nanoserve import spec_decode
 from nanoserve.config import Config
 from nanoserve.spec_decode import NgramProposer, accepted_tokens, verification_rows
 
+import fake_engine
 from test_llm import GREEDY, hf_greedy
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -277,3 +277,61 @@ def test_seeded_runs_repeat_with_speculation(tiny_vocab):
     first, again = (llm.generate(prompt, params, progress=False)[0].outputs[0].token_ids
                     for _ in range(2))
     assert first == again
+
+
+# -- model-free: the scheduler and the KV manager under speculation ---------------------------
+def copying_model(seq):
+    """A fake model that mostly repeats itself (period 5) but not always: drafts are often
+    kept whole, often cut short."""
+    return seq[-5] if len(seq) >= 5 and len(seq) % 7 else (seq[-1] * 3 + 1) % fake_engine.VOCAB
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scheduler_with_drafts_equals_the_reference(monkeypatch, seed):
+    """Small pools (preemption), small budgets (chunks, drafts cut by the budget), prefix hits:
+    outputs equal the fake model's reference, invariants and hashed blocks hold every step."""
+    monkeypatch.setattr(fake_engine, "next_token", copying_model)
+    rng = random.Random(seed)
+    prefix = [rng.randrange(50) for _ in range(9)]
+    specs = [(f"r{i}", prefix + [rng.randrange(50) for _ in range(rng.randint(1, 20))],
+              rng.randint(1, 40)) for i in range(10)]
+    sched = fake_engine.make_scheduler(num_blocks=rng.choice([20, 40]), block_size=4,
+                                       max_num_batched_tokens=rng.choice([8, 16, 64]),
+                                       speculative_config={**SPEC, "num_speculative_tokens":
+                                                           rng.choice([1, 3, 6])})
+
+    def check(s):
+        s.kv.check_invariants()
+        for request in s.running:
+            for i, block_id in enumerate(s.kv.req_to_block_ids[request.request_id]):
+                block = s.kv.pool.blocks[block_id]
+                if block.block_hash is not None and block.ref_cnt == 1:
+                    assert (i + 1) * 4 <= request.num_computed_tokens
+                    assert block.block_hash == s.kv.block_hashes(request)[i]
+    outputs, _ = fake_engine.run(sched, [fake_engine.make_request(*s) for s in specs], check)
+    for rid, prompt, max_tokens in specs:
+        assert outputs[rid] == fake_engine.reference_tokens(prompt, max_tokens), rid
+    assert sched.spec_counts["num_accepted_tokens"] > 0
+    assert sched.spec_counts["num_accepted_tokens"] < sched.spec_counts["num_draft_tokens"]
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks
+
+
+def test_trace_replay_with_drafts_equals_the_live_state(monkeypatch, tmp_path):
+    """`nanoserve trace` rebuilds the run from the trace alone, drafts and rollbacks included."""
+    from test_replay import traced_run
+    from nanoserve.trace import Trace, load_events
+    monkeypatch.setattr(fake_engine, "next_token", copying_model)
+    sched, truth = traced_run(tmp_path / "t.jsonl", speculative_config=SPEC)
+    trace = Trace.load(str(tmp_path / "t.jsonl"))
+    assert sched.spec_counts["num_accepted_tokens"] > 0
+    for step, (owners, cached, sampled) in truth.items():
+        frame = trace.frame(step)
+        assert {b: set(h) for b, h in frame.holders.items()} == owners, step
+        assert frame.cached == cached, step
+        assert {r.req for r in trace.requests.values() if step in r.token_steps} == sampled, step
+    output_lens = {e["req"]: e["output_len"] for e in load_events(str(tmp_path / "t.jsonl"))
+                   if e["ev"] == "finish"}
+    for r in trace.requests.values():     # one token time per token, drafts included
+        assert len(r.token_steps) == output_lens[r.req], r.req
+    assert sum(f.spec[1] for f in trace.frames.values() if f.spec) == \
+        sched.spec_counts["num_accepted_tokens"]
