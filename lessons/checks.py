@@ -160,6 +160,28 @@ def check_top_k(mod, say) -> None:
     say("6 rows with ties, top_k 1..vocab: equal to nanoserve's sampler, no sort of a row")
 
 
+# -- 8.3 the n-gram proposer ------------------------------------------------------------------
+def check_ngram_proposer(mod, say) -> None:
+    import random
+
+    from nanoserve.spec_decode import NgramProposer
+    rng = random.Random(0)
+    cases = 0
+    for vocab in (2, 3, 5, 20):
+        for _ in range(600):
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            k, low = rng.randint(1, 6), rng.randint(1, 3)
+            high = low + rng.randint(0, 3)
+            want = NgramProposer(k, low, high).propose(seq, max_drafts=k)
+            got = mod.propose(list(seq), k, low, high)
+            expect(list(got) == want, f"propose({seq}, k={k}, min_n={low}, max_n={high}) gave "
+                   f"{list(got)}, nanoserve proposes {want}: the k tokens after the longest "
+                   "(then most recent) earlier match of the last n tokens, min_n <= n <= max_n")
+            cases += 1
+    say(f"{cases} random sequences over vocabularies of 2 to 20 tokens: the same drafts as "
+        "nanoserve's NgramProposer")
+
+
 class Exercise(NamedTuple):
     file: str
     title: str
@@ -180,6 +202,7 @@ EXERCISES = {
                     scheduling.check_hit_count_eviction),
     "6.3": Exercise("lesson6_kv_sizing.py", "the KV budget in numbers", check_kv_sizing),
     "7.3": Exercise("lesson7_top_k.py", "top-k without sorting the vocabulary", check_top_k),
+    "8.3": Exercise("lesson8_ngram_proposer.py", "the n-gram proposer", check_ngram_proposer),
 }
 
 

@@ -87,4 +87,15 @@ EDITS = {
             "shares the pool's tokens among the sequences, forgetting whole blocks",
             [("num_blocks // num_seqs * block_size", "num_blocks * block_size // num_seqs")]),
     },
+    "lesson8_ngram_proposer": {
+        "oldest_match": (
+            "takes the earliest occurrence of the n-gram instead of the most recent one",
+            [("for start in range(end - n - 1, -1, -1):", "for start in range(0, end - n):")]),
+        "shortest_first": (
+            "tries the shortest n-gram first, so a one-token match beats a longer one",
+            [("range(max_n, min_n - 1, -1)", "range(min_n, max_n + 1)")]),
+        "suffix_matches_itself": (
+            "lets the last n tokens match themselves, which proposes nothing useful",
+            [("range(end - n - 1, -1, -1)", "range(end - n, -1, -1)")]),
+    },
 }
