@@ -335,3 +335,24 @@ def test_trace_replay_with_drafts_equals_the_live_state(monkeypatch, tmp_path):
         assert len(r.token_steps) == output_lens[r.req], r.req
     assert sum(f.spec[1] for f in trace.frames.values() if f.spec) == \
         sched.spec_counts["num_accepted_tokens"]
+
+
+def test_metrics_name_the_counters_as_vllm_does():
+    """/metrics: the per-position counter is one sample per position, labelled `position`."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from nanoserve.api import OpenAIServer
+    stats = {"spec_decode_num_drafts_total": 3, "spec_decode_num_draft_tokens_total": 12,
+             "spec_decode_num_accepted_tokens_total": 7,
+             "spec_decode_num_accepted_tokens_per_pos_total": [3, 2, 1, 1]}
+    server = SimpleNamespace(engine=SimpleNamespace(get_stats=lambda: stats))
+    class Collector:
+        def collect(self):
+            return OpenAIServer.collect(server)
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    text = generate_latest(registry).decode()
+    assert "nanoserve:spec_decode_num_draft_tokens_total 12.0" in text
+    assert 'nanoserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0' in text
