@@ -164,14 +164,18 @@ class Config:
 class SpeculativeConfig:
     """vLLM's `speculative_config` keys for the n-gram (prompt lookup) proposer:
 
-        >>> SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
-        SpeculativeConfig(method='ngram', num_speculative_tokens=4, prompt_lookup_min=5, prompt_lookup_max=5)
+        >>> spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+        >>> spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        (4, 5, 5)
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: Optional[int] = None   # as vLLM: one given sets the other; none: 5 and 5
     prompt_lookup_max: Optional[int] = None
+    # No drafts while more requests than this are running or waiting: a CPU, or a big batch,
+    # is compute-bound, and rejected drafts then cost real time (lesson 8).
+    disable_by_batch_size: Optional[int] = None
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig":
@@ -204,8 +208,11 @@ class SpeculativeConfig:
         low, high = (high if low is None else low), (low if high is None else high)
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
             value = getattr(self, name)
+            if name == "disable_by_batch_size" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a positive integer "
                                  f"(got {value!r})")

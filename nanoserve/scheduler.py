@@ -187,6 +187,9 @@ class Scheduler:
         Never past max_tokens or max_model_len (the bonus token still needs its place), and not
         for requests that want logprobs (each step returns one token's logprobs)."""
         drafts: dict[str, list[int]] = {}
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit is not None and len(self.running) + len(self.waiting) > limit:
+            return drafts
         for request in self.running:
             num_new = scheduled.get(request.request_id)
             if budget <= 0 or num_new is None or request.sampling_params.logprobs is not None:

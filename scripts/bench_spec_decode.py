@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=5)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="vLLM's key: no drafts while more requests than this are in the engine.")
     ap.add_argument("--rounds", type=int, default=3, help="Rounds; each engine runs once a round.")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
@@ -96,7 +98,8 @@ def main() -> None:
     for k in args.ks:
         engines[f"K={k}"] = LLM("nanoserve-tiny", **common, speculative_config={
             "method": "ngram", "num_speculative_tokens": k,
-            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max})
+            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
+            "disable_by_batch_size": args.disable_by_batch_size})
     off = engines["off"]
     workloads = {"copy-heavy": copy_heavy_workload(off, args.num_prompts, args.story_len,
                                                    args.output_len),

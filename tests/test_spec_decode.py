@@ -356,3 +356,17 @@ def test_metrics_name_the_counters_as_vllm_does():
     text = generate_latest(registry).decode()
     assert "nanoserve:spec_decode_num_draft_tokens_total 12.0" in text
     assert 'nanoserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0' in text
+
+
+def test_disable_by_batch_size_drafts_only_for_small_batches():
+    """vLLM's `disable_by_batch_size`: no drafts while more requests than it are in the engine."""
+    num_drafts = []
+    for limit, num_requests in ((2, 4), (4, 4)):
+        sched = fake_engine.make_scheduler(speculative_config={**SPEC, "disable_by_batch_size": limit})
+        prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+        fake_engine.run(sched, [fake_engine.make_request(f"r{i}", prompt, 12)
+                                for i in range(num_requests)])
+        num_drafts.append(sched.spec_counts["num_drafts"])
+    assert num_drafts[0] == 0 and num_drafts[1] > 0
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        Config(speculative_config={**SPEC, "disable_by_batch_size": 0})
