@@ -194,6 +194,28 @@ def check_top_k(mod, say) -> None:
     say("6 rows with ties, top_k 1..vocab: equal to nanoserve's sampler, no row ordered")
 
 
+# -- 8.3 the n-gram proposer ------------------------------------------------------------------
+def check_ngram_proposer(mod, say) -> None:
+    import random
+
+    from nanoserve.spec_decode import NgramProposer
+    rng = random.Random(0)
+    cases = 0
+    for vocab in (2, 3, 5, 20):
+        for _ in range(600):
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            k, low = rng.randint(1, 6), rng.randint(1, 3)
+            high = low + rng.randint(0, 3)
+            want = NgramProposer(k, low, high).propose(seq, max_drafts=k)
+            got = mod.propose(list(seq), k, low, high)
+            expect(list(got) == want, f"propose({seq}, k={k}, min_n={low}, max_n={high}) gave "
+                   f"{list(got)}, nanoserve proposes {want}: the k tokens after the longest "
+                   "(then most recent) earlier match of the last n tokens, min_n <= n <= max_n")
+            cases += 1
+    say(f"{cases} random sequences over vocabularies of 2 to 20 tokens: the same drafts as "
+        "nanoserve's NgramProposer")
+
+
 class Exercise(NamedTuple):
     file: str
     title: str
@@ -224,6 +246,7 @@ EXERCISES = {
     "7.3": Exercise("lesson7_top_k.py", "top-k by comparing and counting", check_top_k),
     "7.4": Exercise("lesson7_exponential_race.py", "the sampler's exponential race",
                     engine.check_exponential_race),
+    "8.3": Exercise("lesson8_ngram_proposer.py", "the n-gram proposer", check_ngram_proposer),
 }
 
 

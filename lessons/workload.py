@@ -173,12 +173,20 @@ def report(llm: LLM, probe: Probe, outs, seconds: float, show: bool) -> None:
     print(f"steps         {n}: {sum(s[0] for s in probe.steps) / n:.1f} requests and "
           f"{computed / n:.1f} tokens per step on average")
     # Every token a request needs was computed once, or found in the prefix cache, and every
-    # token a preemption dropped was needed once more: computed + hits = needed + dropped.
+    # token a preemption dropped was needed once more: computed + hits = needed + dropped
+    # (+ the rejected drafts under speculative decoding, computed for nothing).
     hits = kv.prefix_cache_hits
     print(f"tokens        {computed} computed + {hits} from the prefix cache, for {needed} of "
           f"prompts and outputs")
-    print(f"preemptions   {sched.num_preemptions_total}, which dropped {computed + hits - needed} "
-          f"computed tokens")
+    rejected = 0
+    if sched.proposer is not None:      # speculative decoding (lesson 8)
+        c = sched.spec_counts
+        rejected = c["num_draft_tokens"] - c["num_accepted_tokens"]
+        print(f"speculation   {c['num_accepted_tokens']} of {c['num_draft_tokens']} draft tokens "
+              f"accepted in {c['num_drafts']} verifying steps; {rejected} rejected (computed, "
+              f"then taken back)")
+    print(f"preemptions   {sched.num_preemptions_total}, which dropped "
+          f"{computed + hits - needed - rejected} computed tokens")
     if cfg.enable_prefix_caching:
         rate = hits / max(kv.prefix_cache_queries, 1)
         print(f"prefix cache  {hits} of {kv.prefix_cache_queries} prompt tokens hit ({rate:.1%})")

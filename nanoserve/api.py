@@ -355,10 +355,15 @@ class OpenAIServer(Starlette):
             if name not in per_engine[0]:
                 yield family(f"nanoserve:{name}", f"AsyncLLM.get_stats()['{name}']", value=value)
                 continue
+            per_position = isinstance(value, list)    # one sample per draft position (spec decode)
             labelled = family(f"nanoserve:{name}", f"AsyncLLM.engine_stats[i]['{name}']",
-                              labels=["engine"])
+                              labels=["engine", "position"] if per_position else ["engine"])
             for index, stats in enumerate(per_engine):
-                labelled.add_metric([str(index)], stats[name])
+                if not per_position:
+                    labelled.add_metric([str(index)], stats[name])
+                    continue
+                for position, count in enumerate(stats[name]):
+                    labelled.add_metric([str(index), str(position)], count)
             yield labelled
 
     async def models(self, request: Request) -> Response:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -70,6 +71,11 @@ class Config:
                                 ("fcfs", "priority"))
     # -- sampling and observability -----------------------------------------
     max_logprobs: int = _f(20, "Largest `logprobs` a request may ask for.")
+    speculative_config: Optional[SpeculativeConfig] = _f(
+        None, "Speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' "
+        "proposes up to num_speculative_tokens tokens by looking the last 2-5 tokens up in the "
+        "request's own prompt and output, and verifies them in one step (lessons/08).")
     # -- admission (the server) ------------------------------------------------
     max_waiting_requests: int = _f(512, "Requests the server holds that have not produced a "
                                    "token yet; beyond it new ones get HTTP 503 with Retry-After.")
@@ -129,6 +135,10 @@ class Config:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)} "
                                  f"(got {getattr(self, f.name)!r})")
+        if self.speculative_config is not None:
+            # Kept as a SpeculativeConfig (a dict or JSON string is parsed here, once).
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             # Without chunking a whole prompt must fit in one step's budget.
@@ -183,6 +193,67 @@ class Config:
     def from_cli_args(cls, args: argparse.Namespace) -> "Config":
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` keys for the n-gram (prompt lookup) proposer:
+
+        >>> spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+        >>> spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        (4, 5, 5)
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: Optional[int] = None   # as vLLM: one given sets the other; none: 5 and 5
+    prompt_lookup_max: Optional[int] = None
+    # No drafts while more requests than this are running or waiting: a CPU, or a big batch,
+    # is compute-bound, and rejected drafts then cost real time (lesson 8).
+    disable_by_batch_size: Optional[int] = None
+
+    @classmethod
+    def parse(cls, value: Any) -> "SpeculativeConfig":
+        """A SpeculativeConfig from itself, a dict or a JSON string; ValueError naming the bad key."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object (got {value!r})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in value:
+            if key not in known:
+                raise ValueError(f"speculative_config: unknown key {key!r} "
+                                 f"(known: {', '.join(sorted(known))})")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in value:
+                raise ValueError(f"speculative_config: {key!r} is required")
+        return cls(**value)
+
+    def __post_init__(self):
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config: method must be 'ngram' (got {self.method!r})")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            if name == "disable_by_batch_size" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer "
+                                 f"(got {value!r})")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must be <= "
+                             f"prompt_lookup_max ({high})")
 
 
 def _positive_int(config: Config, name: str) -> None:

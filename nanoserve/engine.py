@@ -311,7 +311,7 @@ class AsyncLLM:
     def get_stats(self) -> dict:
         """The front end's counters, and the engine cores' stats summed over data-parallel
         ranks (kv_cache_usage_perc: their mean; `engine_stats` has each rank's)."""
-        engines = {name: sum(stats[name] for stats in self.engine_stats)
+        engines = {name: sum_over_ranks([stats[name] for stats in self.engine_stats])
                    for name in self.engine_stats[0]}
         engines["kv_cache_usage_perc"] /= len(self.engine_stats)
         return {**engines, "prompt_tokens_total": self.num_prompt_tokens_total,
@@ -351,3 +351,11 @@ class AsyncLLM:
         if (request_id := self.output_processor.parent_id(child_id)) is not None:
             self.abort(request_id)               # its siblings must not run on alone
             self._streams[request_id].put_nowait(error)
+
+
+def sum_over_ranks(values: list):
+    """One stat summed over the data-parallel ranks; a per-position list (spec decode's accepted
+    tokens per draft position) position by position: [[3, 1], [2, 0]] -> [5, 1]."""
+    if isinstance(values[0], list):
+        return [sum(column) for column in zip(*values)]
+    return sum(values)

@@ -83,7 +83,17 @@ class EngineCore:
                 "kv_cache_usage_perc": kv.usage(),
                 "num_preemptions_total": scheduler.num_preemptions_total,
                 "prefix_cache_queries_total": kv.prefix_cache_queries,
-                "prefix_cache_hits_total": kv.prefix_cache_hits}
+                "prefix_cache_hits_total": kv.prefix_cache_hits, **self._spec_decode_stats()}
+
+    def _spec_decode_stats(self) -> dict:
+        """vLLM's spec-decode counters when speculation is on; the per-position one is a list
+        (index = draft position), which /metrics labels with `position`."""
+        scheduler = self.scheduler
+        if scheduler.proposer is None:
+            return {}
+        return {**{f"spec_decode_{k}_total": v for k, v in scheduler.spec_counts.items()},
+                "spec_decode_num_accepted_tokens_per_pos_total":
+                    list(scheduler.num_accepted_tokens_per_pos)}
 
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()

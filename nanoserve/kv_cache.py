@@ -181,11 +181,14 @@ class KVCacheManager:
 
     def allocate_slots(self, request: "Request", num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> Optional[list[int]]:
+                       new_computed_blocks: Sequence[KVCacheBlock] = (),
+                       num_lookahead_tokens: int = 0) -> Optional[list[int]]:
         """Make room for `num_new_tokens` more tokens of `request` (after its prefix hit).
 
         All or nothing: returns the ids of the newly allocated blocks, or None when the
         pool cannot provide them (then nothing changed and the scheduler may preempt).
+        The last `num_lookahead_tokens` of them are speculative drafts: they get slots, but
+        no block holding one is hashed (a rejected draft must never serve a prefix hit).
         """
         block_ids = self.req_to_block_ids.get(request.request_id)
         is_admission = block_ids is None
@@ -226,7 +229,7 @@ class KVCacheManager:
             # a request admitted later in this same step (an n > 1 sibling) can then share
             # them, because every layer stores the whole batch's K/V before attending.
             num_cached = self.num_cached_blocks.get(request.request_id, 0)
-            num_full = num_total_tokens // self.block_size
+            num_full = (num_total_tokens - num_lookahead_tokens) // self.block_size
             if num_full > num_cached:
                 hashes = self.block_hashes(request)
                 self.pool.cache_full_blocks(

@@ -14,7 +14,9 @@ table [7, 1, 3], request B prefills a 3-token prompt into block [5]:
     logits_indices  [0, 3]                the last token of each request that samples
 
 Only requests that reach the end of their known tokens sample; a prefill chunk that stops
-short of its prompt's end computes K/V and nothing else.
+short of its prompt's end computes K/V and nothing else. A request with k speculative drafts
+(`scheduled_spec_decode_tokens`) feeds its last token and the drafts, and its last k + 1
+positions all get logits: the sampler verifies them in the same step (spec_decode.py).
 
 Finding and reading the checkpoint, and the KV pool's sizing formulas, are in model_loader.py
 (`nanoserve memory` uses them too, without a ModelRunner).
@@ -49,6 +51,7 @@ from nanoserve.models import get_model_class
 from nanoserve.models.llama import head_dim_of, num_kv_heads_of
 from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
+from nanoserve.spec_decode import sampled_per_request, verification_rows
 
 
 def batch_indices(num_scheduled: torch.Tensor, num_computed: torch.Tensor,
@@ -182,8 +185,11 @@ class ModelRunner:
         """The flat batch: (input_ids, positions, AttentionMetadata, logits_indices, rows that
         sample). See the module docstring for a worked example."""
         input_ids: list[int] = []
+        spec = out.scheduled_spec_decode_tokens
+        num_drafts = [len(spec.get(req.request_id, ())) if spec else 0 for req in out.requests]
         for req, n, c in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens):
-            input_ids += req.all_token_ids[c:c + n]
+            # With drafts: the slice is the last real token, the drafts follow it.
+            input_ids += req.all_token_ids[c:c + n] + (spec.get(req.request_id, []) if spec else [])
         num_scheduled = torch.tensor(out.num_scheduled_tokens)
         num_computed = torch.tensor(out.num_computed_tokens)
         seq_lens = num_computed + num_scheduled
@@ -192,9 +198,11 @@ class ModelRunner:
                                     dtype=torch.int32)
         positions, slot_mapping, query_start_loc = self.batch_indices(
             num_scheduled, num_computed, block_tables, self.block_size)
-        samples = [c + n == req.num_tokens for req, n, c in
-                   zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens)]
+        samples = [c + n == req.num_tokens + k for req, n, c, k in
+                   zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens, num_drafts)]
         logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
+        if spec:
+            logits_indices = verified_positions(query_start_loc, samples, num_drafts)
         to = dict(device=self.device, non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(**to), block_tables=block_tables.to(**to),
@@ -224,32 +232,47 @@ class ModelRunner:
         # On CUDA the forward runs asynchronously: its time lands in "sample", at the sync.
         sample_start = time.perf_counter()
         self.timings["forward"] += sample_start - forward_start
+        # One row per request, k + 1 for a request with k drafts (the positions it verifies).
+        rows = verification_rows(sampling, out.scheduled_spec_decode_tokens)
         metadata = SamplingMetadata.from_requests(
-            [r.sampling_params for r in sampling], [r.prompt_token_ids for r in sampling],
-            [r.output_token_ids for r in sampling], [self._generator(r) for r in sampling],
+            [r.sampling_params for r, _ in rows], [r.prompt_token_ids for r, _ in rows],
+            [output for _, output in rows], [self._generator(r) for r, _ in rows],
             eos_token_id=sampling[0].eos_token_id, vocab_size=self.vocab_size, device=self.device)
         if out.grammar_bitmask is not None:
-            metadata.grammar_bitmask, metadata.grammar_rows = self._grammar_bitmask(out, sampling)
+            metadata.grammar_bitmask, metadata.grammar_rows = self._grammar_bitmask(out, rows)
         result = self.sampler(logits, metadata)
-        ids = [r.request_id for r in sampling]
+        ids = [r.request_id for r, _ in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        sampled = dict(zip(ids, result.sampled_token_ids.tolist()))
+        sampled = sampled_per_request(sampling, out.scheduled_spec_decode_tokens,
+                                      result.sampled_token_ids.tolist())
         self.timings["sample"] += time.perf_counter() - sample_start
         return sampled, logprobs
 
-    def _grammar_bitmask(self, out: SchedulerOutput, sampling: list):
+    def _grammar_bitmask(self, out: SchedulerOutput, rows: list):
         """The step's grammar bitmask (the engine core's, structured_output.py) on this device,
-        and the logits row of each of its rows. Under tensor parallel only rank 0 gets here: it
+        and the logits row of each of its rows (`rows`: the verification rows; a structured
+        request has no drafts, so one row). Under tensor parallel only rank 0 gets here: it
         holds the gathered logits."""
-        row_of = {r.request_id: i for i, r in enumerate(sampling)}
+        row_of = {r.request_id: i for i, (r, _) in enumerate(rows)}
         rows = [row_of[request_id] for request_id in out.structured_output_request_ids]
         return (out.grammar_bitmask.to(self.device, non_blocking=True),
                 torch.tensor(rows, dtype=torch.int64, device=self.device))
 
     def _generator(self, request) -> Optional[torch.Generator]:
+        """The request's own generator; a request's k + 1 verified rows draw from it in turn."""
         seed = request.sampling_params.seed
         if seed is None:
             return None
         if request.request_id not in self.generators:
             self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
         return self.generators[request.request_id]
+
+
+def verified_positions(query_start_loc: torch.Tensor, samples: list[bool],
+                       num_drafts: list[int]) -> torch.Tensor:
+    """The flat-batch rows whose logits the sampler reads: the last token of each request that
+    samples, and for one with k drafts its last k + 1 (query_start_loc [0, 1, 4], the second
+    request with 2 drafts -> [0, 1, 2, 3])."""
+    ends = query_start_loc[1:].tolist()
+    return torch.tensor([i for end, s, k in zip(ends, samples, num_drafts) if s
+                         for i in range(end - 1 - k, end)], dtype=torch.long)

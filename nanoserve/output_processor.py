@@ -122,15 +122,20 @@ class RequestState:
     def process(self, out: EngineCoreOutput) -> bool:
         """Take one engine output. True when a stop string ended the request here (the
         caller must then abort it in the engine)."""
-        self.token_ids += out.new_token_ids
         if self.logprobs is not None and out.new_logprobs is not None:
             self.logprobs.append(self._logprob_dict(out.new_token_ids[-1], out.new_logprobs))
         stopped_by_string = False
-        delta = self.detokenizer.decode_new(out.new_token_ids) if self.detokenizer else ""
-        if self.params.stop and self.finish_reason is None:
-            stopped_by_string = self._append_and_check_stop(delta)
-        else:
-            self.text += delta
+        # Several tokens come from one step under speculative decoding: one at a time, so that
+        # a stop string cuts the run at the token that completed it.
+        for token in out.new_token_ids:
+            self.token_ids.append(token)
+            delta = self.detokenizer.decode_new([token]) if self.detokenizer else ""
+            if self.params.stop and self.finish_reason is None:
+                stopped_by_string = self._append_and_check_stop(delta)
+                if stopped_by_string:
+                    break
+            else:
+                self.text += delta
         if self.finish_reason is None and out.finish_reason is not None:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return stopped_by_string

@@ -99,6 +99,9 @@ class SchedulerOutput:
     # request each row belongs to; None when no structured request samples this step.
     grammar_bitmask: Any = None
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: request id -> its draft tokens, fed after its last token (they are
+    # counted in num_scheduled_tokens); the runner verifies k + 1 positions (spec_decode.py).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -22,8 +22,14 @@ a prefix-cache hit.
 stop_token_ids, max_tokens, max_model_len; none before min_tokens) and frees finished
 requests' blocks. Stop *strings* are text, so the front end checks them and aborts.
 
+With speculative decoding on (`speculative_config`), a request whose step samples also gets up
+to k draft tokens (spec_decode.py), from what is left once every request had its own tokens:
+they take budget and KV slots like any token (never preempting anyone for them), and update()
+takes back `num_computed_tokens` of the rejected ones, whose slots the next step overwrites.
+
 Run the tests: `pytest tests/test_scheduler.py`; the speed: `python scripts/bench_scheduler.py`.
-Lessons: lessons/03-continuous-batching.md, lessons/04-preemption.md
+Lessons: lessons/03-continuous-batching.md, lessons/04-preemption.md,
+lessons/08-one-step-many-tokens.md
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any, Iterable, Optional
 from nanoserve.config import Config
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.request import EngineCoreOutput, Request, RequestStatus, SchedulerOutput, fit_error
+from nanoserve.spec_decode import NgramProposer
 from nanoserve.trace import NULL_TRACER
 
 
@@ -86,6 +93,12 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions_total = 0
         self.finished_req_ids: set[str] = set()
+        spec = config.speculative_config
+        self.proposer = NgramProposer.of(spec) if spec is not None else None
+        # vLLM's spec-decode counters (/metrics): steps with drafts, drafts, accepted drafts,
+        # and accepted drafts by position (index j: the (j+1)-th draft of a step was kept).
+        self.spec_counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.num_accepted_tokens_per_pos = [0] * (spec.num_speculative_tokens if spec else 0)
 
     # -- admission -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -115,6 +128,10 @@ class Scheduler:
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
         if not preempted:                    # a step that had to preempt has no room to admit
             self._schedule_waiting(budget, scheduled)
+        drafts = {}
+        if self.proposer is not None:        # speculation gets what real work left over
+            budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+            drafts = self._schedule_drafts(budget, scheduled)
         requests = [self.requests[rid] for rid in scheduled]
         output = SchedulerOutput(
             requests=requests,
@@ -122,7 +139,8 @@ class Scheduler:
             num_computed_tokens=[r.num_computed_tokens for r in requests],
             block_tables=[self.kv.req_to_block_ids[r.request_id] for r in requests],
             preempted_req_ids=[r.request_id for r in preempted],
-            finished_req_ids=self.finished_req_ids)
+            finished_req_ids=self.finished_req_ids,
+            scheduled_spec_decode_tokens=drafts)
         self.finished_req_ids = set()
         # vLLM advances num_computed_tokens at schedule time: the tokens are as good as
         # computed once the forward runs, and the next schedule() must not count them again.
@@ -162,6 +180,34 @@ class Scheduler:
             if victim is request:
                 break
         return victims
+
+    def _schedule_drafts(self, budget: int, scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """Propose drafts for the running requests whose step samples, while budget and free
+        blocks last; their slots come from the KV manager, unhashed. Returns {id: drafts}.
+        Never past max_tokens or max_model_len (the bonus token still needs its place), not for
+        requests that want logprobs (each step returns one token's logprobs), and not for
+        structured ones (their matcher would have to mask each draft's row and roll back)."""
+        drafts: dict[str, list[int]] = {}
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit is not None and len(self.running) + len(self.waiting) > limit:
+            return drafts
+        for request in self.running:
+            num_new = scheduled.get(request.request_id)
+            params = request.sampling_params
+            if (budget <= 0 or num_new is None or params.logprobs is not None
+                    or params.structured_outputs is not None):
+                continue
+            if request.num_computed_tokens + num_new != request.num_tokens:
+                continue    # a prefill chunk that samples nothing: nothing to verify
+            room = min(budget, request.max_tokens - request.num_output_tokens - 1,
+                       self.config.max_model_len - request.num_tokens - 1)
+            mine = self.proposer.propose(request.all_token_ids, room) if room > 0 else []
+            if mine and self.kv.allocate_slots(request, num_new + len(mine),
+                                               num_lookahead_tokens=len(mine)) is not None:
+                drafts[request.request_id] = mine
+                scheduled[request.request_id] += len(mine)
+                budget -= len(mine)
+        return drafts
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
         """Admit waiting requests (FCFS or priority order) while budget, seats and blocks last;
@@ -206,20 +252,50 @@ class Scheduler:
         """
         outputs = []
         finished = False
+        if output.scheduled_spec_decode_tokens:
+            self._take_back_rejected(output, sampled)
         for request in output.requests:
             token = sampled.get(request.request_id)
             if token is None or request.status.is_finished:
                 continue
-            request.append_output_token(token)
-            if self._check_stop(request, token):
-                self._finish(request)
-                finished = True
-            outputs.append(EngineCoreOutput(request.request_id, [token], request.finish_reason,
+            new_tokens = []
+            # A verified run is a list: the stop checks cut it at the first token that stops.
+            for token in token if isinstance(token, list) else [token]:
+                request.append_output_token(token)
+                new_tokens.append(token)
+                if self._check_stop(request, token):
+                    self._finish(request)
+                    finished = True
+                    break
+            outputs.append(EngineCoreOutput(request.request_id, new_tokens, request.finish_reason,
                                             request.stop_reason,
                                             logprobs.get(request.request_id) if logprobs else None))
         if finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         return outputs
+
+    def _take_back_rejected(self, output: SchedulerOutput, sampled: dict) -> None:
+        """Speculation's bookkeeping: a request with k drafts that gains n tokens kept n - 1
+        drafts, so k - (n - 1) of the slots counted as computed at schedule time hold rejected
+        K/V: num_computed_tokens forgets them and the next step overwrites them. Its blocks were
+        never hashed past its real tokens (allocate_slots' lookahead). Counted for /metrics."""
+        accepted = {}
+        for request_id, drafts in output.scheduled_spec_decode_tokens.items():
+            request = self.requests.get(request_id)
+            tokens = sampled.get(request_id)
+            if request is None or tokens is None:   # aborted meanwhile / a TP rank's empty answer
+                continue
+            num_accepted = accepted[request_id] = len(tokens) - 1
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            self.spec_counts["num_drafts"] += 1
+            self.spec_counts["num_draft_tokens"] += len(drafts)
+            self.spec_counts["num_accepted_tokens"] += num_accepted
+            for position in range(num_accepted):
+                self.num_accepted_tokens_per_pos[position] += 1
+        if self.tracer.enabled:
+            drafts = output.scheduled_spec_decode_tokens
+            self.tracer.emit("spec_decode", accepted=accepted,
+                             proposed={rid: len(drafts[rid]) for rid in accepted})
 
     def _check_stop(self, request: Request, token: int) -> bool:
         params = request.sampling_params
@@ -271,11 +347,12 @@ class Scheduler:
         return bool(self.requests)
 
     def _trace_schedule(self, output: SchedulerOutput) -> None:
-        # A decode is one new token after the prompt; recomputing a resumed request's
-        # outputs is prefill work, however far its prefix hit reached.
-        num_decode = sum(1 for r, n, c in zip(output.requests, output.num_scheduled_tokens,
+        # A decode is one new token after the prompt (+ its drafts); recomputing a resumed
+        # request's outputs is prefill work, however far its prefix hit reached.
+        drafts = output.scheduled_spec_decode_tokens
+        num_decode = sum(n for r, n, c in zip(output.requests, output.num_scheduled_tokens,
                                               output.num_computed_tokens)
-                         if n == 1 and c >= r.num_prompt_tokens)
+                         if n == 1 + len(drafts.get(r.request_id, ())) and c >= r.num_prompt_tokens)
         pool = self.kv.pool
         self.tracer.emit(
             "schedule",

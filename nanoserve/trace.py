@@ -22,7 +22,9 @@ cached, a plain `alloc` that it was not. Example: block_size 4, request r1 holds
 has computed 6 tokens when it finishes -> block 5 (tokens 0-3, full) stays cached, block 2
 (tokens 4-5) does not. Which requests sampled a token in a step follows the scheduler's rule:
 those whose computed tokens reach prompt_len + tokens generated so far (a prefill chunk samples
-nothing). Torch-free: the tools that read traces never load the engine.
+nothing); a `spec_decode` event then corrects it for requests that verified drafts (each
+gains accepted + 1 tokens, and its rejected drafts leave its computed count). Torch-free: the
+tools that read traces never load the engine.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ FIELDS = {"config": "", "arrive": "req prompt_len max_tokens", "alloc": "req blo
           "preempt": "req num_computed_tokens", "step_done": "duration_s sampled",
           "schedule": "scheduled running waiting num_prefill_tokens num_decode_tokens kv_used "
                       "kv_free kv_cached", "finish": "req reason prompt_len output_len",
-          "grammar_bitmask": "reqs"}
+          "grammar_bitmask": "reqs", "spec_decode": "proposed accepted"}
 TYPES = {"t": (int, float), "duration_s": (int, float), "req": str, "reason": str, "blocks": list,
-         "running": list, "waiting": list, "scheduled": dict, "sampled": dict, "reqs": list}
+         "running": list, "waiting": list, "scheduled": dict, "sampled": dict, "reqs": list,
+         "proposed": dict, "accepted": dict}
 
 
 class Tracer:
@@ -165,6 +168,7 @@ class Frame:
     schedule: dict                  # the step's `schedule` event ({} at step 0)
     notes: list[str]                # what else happened in the step, in words
     cached: set[int] = field(default_factory=set)   # free blocks still holding a hash
+    spec: Optional[tuple[int, int]] = None   # speculative decoding: (drafts, accepted) this step
 
 
 class Trace:
@@ -216,6 +220,9 @@ class _Rebuild:
         self.holders: dict[int, list[str]] = {}
         self.computed: dict[str, int] = {}        # request -> num_computed_tokens
         self.generated: dict[str, int] = {}       # request -> output tokens so far
+        # request -> its kept drafts of the last step: computed, but not hashed until the next
+        # schedule (allocate_slots hashes only blocks full of tokens known when it runs)
+        self.unhashed: dict[str, int] = {}
         self.episode: dict[int, int] = {}         # free block -> index of its free in `kept_hash`
         self.kept_hash: list[bool] = []           # did that free leave the block cached?
         self.frame_episodes: list[dict[int, int]] = []
@@ -228,14 +235,16 @@ class _Rebuild:
                          "prefix_hit": self.on_take, "free": self.on_free,
                          "preempt": self.on_preempt, "schedule": self.on_schedule,
                          "step_done": self.on_step_done, "finish": self.on_finish,
-                         "grammar_bitmask": self.on_grammar_bitmask}
+                         "grammar_bitmask": self.on_grammar_bitmask,
+                         "spec_decode": self.on_spec_decode}
+        self.spec: Optional[tuple[int, int]] = None
 
     def run(self, events: list[dict]) -> None:
         for e in events:
             self.line = e["line"]
             if e["step"] != self.step:
                 self.snapshot()
-                self.step, self.sched, self.notes = e["step"], {}, []
+                self.step, self.sched, self.notes, self.spec = e["step"], {}, [], None
             self.t = e["t"]
             if e["ev"] in self.handlers:          # `config` was read up front
                 self.handlers[e["ev"]](e)
@@ -246,7 +255,7 @@ class _Rebuild:
     def snapshot(self) -> None:
         self.trace.frames[self.step] = Frame(
             self.step, self.t, {b: list(h) for b, h in self.holders.items()},
-            list(self.running), list(self.waiting), self.sched, self.notes)
+            list(self.running), list(self.waiting), self.sched, self.notes, spec=self.spec)
         self.frame_episodes.append(dict(self.episode))
 
     def on_arrive(self, e: dict) -> None:
@@ -284,7 +293,7 @@ class _Rebuild:
                 del self.holders[b]
                 logical = len(blocks) - 1 - pos
                 self.episode[b] = len(self.kept_hash)
-                full = bool(bs) and (logical + 1) * bs <= self.computed[rid]
+                full = bool(bs) and (logical + 1) * bs <= self.computed[rid] - self.unhashed.get(rid, 0)
                 self.kept_hash.append(bool(self.caching) and full)
         self.computed[rid] = 0     # finish, abort and preemption all start it over
 
@@ -300,10 +309,23 @@ class _Rebuild:
             if not r.work or max(r.work) < max(r.preempt_steps, default=-1):
                 self.trace.prefix_queries += r.prompt_len + generated   # an admission
             r.work[self.step] = "decode" if n == 1 and c >= r.prompt_len else "prefill"
-            self.computed[rid] = c + n
+            self.computed[rid], self.unhashed[rid] = c + n, 0
             if c + n == r.prompt_len + generated:
                 self.generated[rid] += 1
                 r.token_steps.append(self.step)
+
+    def on_spec_decode(self, e: dict) -> None:
+        """Requests that verified k drafts: on_schedule counted k + 1 tokens as computed and
+        none sampled; each kept `accepted` drafts and gained accepted + 1 tokens."""
+        for rid, k in e["proposed"].items():
+            r, accepted, n = self.trace.requests[rid], e["accepted"][rid], self.sched["scheduled"][rid]
+            if n == k + 1 and self.computed[rid] - n >= r.prompt_len:
+                r.work[self.step] = "decode"        # one token and its drafts
+            self.computed[rid] -= k - accepted
+            self.unhashed[rid] = accepted
+            self.generated[rid] += accepted + 1
+            r.token_steps += [self.step] * (accepted + 1)
+        self.spec = (sum(e["proposed"].values()), sum(e["accepted"].values()))
 
     def on_step_done(self, e: dict) -> None:
         self.trace.spans[self.step] = (self.t - e["duration_s"], self.t)
@@ -316,6 +338,7 @@ class _Rebuild:
     def on_finish(self, e: dict) -> None:
         rid, r = e["req"], self.trace.requests[e["req"]]
         r.finish_step, r.finish_t, r.reason = self.step, self.t, e["reason"]
+        del r.token_steps[e["output_len"]:]      # a verified run a stop cut short kept fewer
         self.running, self.waiting = ([x for x in q if x != rid]
                                       for q in (self.running, self.waiting))
         self.notes.append(f"{rid} finished ({e['reason']}, {e['output_len']} tokens)")

@@ -14,6 +14,7 @@ from nanoserve.kv_cache import KVCacheManager
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.request import Request
 from nanoserve.scheduler import Scheduler
+from nanoserve.spec_decode import accepted_tokens
 
 VOCAB = 50
 
@@ -51,20 +52,26 @@ class FakeRunner:
     def slot(self, block_table: list[int], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def execute(self, out) -> dict[str, int]:
+    def execute(self, out) -> dict[str, int | list[int]]:
         # Store every scheduled token first, then read: the real model does the same per
         # layer, which is what lets an n > 1 sibling share blocks computed in the same step.
+        # Speculative drafts are stored after a request's tokens and verified like the runner
+        # does (spec_decode.accepted_tokens against the model's token at each position).
+        drafts = out.scheduled_spec_decode_tokens
         for req, n, c, bt in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens,
                                  out.block_tables):
+            tokens = req.all_token_ids + drafts.get(req.request_id, [])
             for pos in range(c, c + n):
-                self.cache[self.slot(bt, pos)] = req.all_token_ids[pos]
+                self.cache[self.slot(bt, pos)] = tokens[pos]
         sampled = {}
         for req, n, c, bt in zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens,
                                  out.block_tables):
-            if c + n == req.num_tokens:
+            mine = drafts.get(req.request_id, [])
+            if c + n == req.num_tokens + len(mine):
                 seq = [self.cache[self.slot(bt, p)] for p in range(c + n)]
-                assert seq == req.all_token_ids, f"{req.request_id} read back wrong KV"
-                sampled[req.request_id] = next_token(seq)
+                assert seq == req.all_token_ids + mine, f"{req.request_id} read back wrong KV"
+                targets = [next_token(seq[:req.num_tokens + j]) for j in range(len(mine) + 1)]
+                sampled[req.request_id] = accepted_tokens(mine, targets) if mine else targets[0]
         return sampled
 
 

@@ -33,6 +33,11 @@ CORE_CAPABILITY_BUDGETS = {
     # as an attribute, so that lesson 2's exercise 2.4 runs the real engine with a student's own
     # positions, slot_mapping and query_start_loc (an attribute, not a hidden global).
     "lesson_exercise_hooks": 15,
+    # issue 42: speculative decoding (n-gram): spec_decode.py (proposer, verification rows, the
+    # acceptance rule, ~115), SpeculativeConfig (~65), draft budgeting and roll-back in the
+    # scheduler (~70), k + 1 verified positions in the runner (~20), the spec_decode trace event
+    # and its replay (~30), the counters for /metrics (~20)
+    "speculative_decoding": 330,
 }
 CORE_BUDGET = 5000 + sum(CORE_CAPABILITY_BUDGETS.values())
 CPU_BACKEND_BUDGET = 3000      # ~1,730 lines of C, ~1,050 of Python (the ops, products, fused step)

@@ -129,6 +129,7 @@ def time_workload(llm, prompts, output_lens) -> dict:
     engine = llm.engine
     engine.timings.update(dict.fromkeys(engine.timings, 0.0))
     steps_before, batched_before = engine.scheduler.num_steps, engine.num_batched_requests
+    spec_before = dict(engine.scheduler.spec_counts)
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in output_lens]
     elapsed = _timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                           progress=False))
@@ -142,7 +143,19 @@ def time_workload(llm, prompts, output_lens) -> dict:
             "model_flop_s": flops / elapsed,
             "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "gemm_paths": engine.runner.gemm_paths,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(),
+            "spec_decode": spec_decode_summary(engine, spec_before)}
+
+
+def spec_decode_summary(engine, before: dict) -> dict | None:
+    """Speculative decoding over the run (None when it is off): draft tokens, accepted ones,
+    the acceptance rate, and the mean tokens gained per verifying step (accepted + bonus)."""
+    if engine.scheduler.proposer is None:
+        return None
+    counts = {k: v - before[k] for k, v in engine.scheduler.spec_counts.items()}
+    drafts, accepted = counts["num_draft_tokens"], counts["num_accepted_tokens"]
+    return {**counts, "acceptance_rate": accepted / drafts if drafts else 0.0,
+            "mean_tokens_per_draft_step": 1 + accepted / max(counts["num_drafts"], 1)}
 
 
 def run_bench(model: str | None = None, num_prompts: int = 64, input_len=(32, 512),
@@ -171,6 +184,10 @@ def main(model=None, num_prompts=64, input_len=(32, 512), output_len=(32, 256),
             ("prompt / output tokens", f"{result['prompt_tokens']} / {result['output_tokens']}"),
             ("elapsed", f"{result['elapsed_s']:.1f} s"), ("steps", str(result["steps"])),
             ("mean batch size", f"{result['mean_batch_size']:.1f} requests/step")]
+    if (spec := result["spec_decode"]) is not None:
+        rows += [("spec decode acceptance rate", f"{spec['acceptance_rate']:.2f} "
+                  f"({spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens, "
+                  f"{spec['mean_tokens_per_draft_step']:.2f} tokens per verifying step)")]
     rows += [(f"ms/step: {k}", f"{v:.2f}") for k, v in result["ms_per_step"].items()]
     rows += [("model FLOP/s", f"{result['model_flop_s'] / 1e9:.1f} GFLOP/s"),
              ("GEMM path per shape", ", ".join(f"{k}: {v}" for k, v in result["gemm_paths"].items())),

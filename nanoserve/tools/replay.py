@@ -127,6 +127,8 @@ def _queues(trace: Trace, frame: Frame) -> Panel:
         bar = _bar([(pre, "█", "yellow"), (dec, "█", "green")], trace.budget or pre + dec)
         g.add_row("tokens", bar)
         g.add_row("", f"{pre + dec} / {trace.budget or '?'}  (prefill {pre}, decode {dec})")
+    if frame.spec:
+        g.add_row("drafts", f"{frame.spec[1]} of {frame.spec[0]} accepted (speculative decoding)")
     used, cached = len(frame.holders), len(frame.cached)
     g.add_row("KV blocks", _bar([(used, "█", "magenta"), (cached, "▒", "green")],
                                 trace.num_blocks))

@@ -171,4 +171,15 @@ EDITS = {
             "bisects over the raw bit patterns, whose order is backwards for negative floats",
             [("return torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)", "return bits")]),
     },
+    "lesson8_ngram_proposer": {
+        "oldest_match": (
+            "takes the earliest occurrence of the n-gram instead of the most recent one",
+            [("for start in range(end - n - 1, -1, -1):", "for start in range(0, end - n):")]),
+        "shortest_first": (
+            "tries the shortest n-gram first, so a one-token match beats a longer one",
+            [("range(max_n, min_n - 1, -1)", "range(min_n, max_n + 1)")]),
+        "suffix_matches_itself": (
+            "lets the last n tokens match themselves, which proposes nothing useful",
+            [("range(end - n - 1, -1, -1)", "range(end - n, -1, -1)")]),
+    },
 }
