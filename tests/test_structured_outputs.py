@@ -276,3 +276,17 @@ def test_apply_grammar_bitmask_masks_exactly_the_forbidden_tokens():
         for t in range(vocab):
             allowed = row_bits is None or (row_bits[t // 32] >> (t % 32)) & 1
             assert masked[r, t] == (logits[r, t] if allowed else float("-inf")), (r, t)
+
+
+def test_speculation_drafts_for_plain_requests_only_and_changes_no_token():
+    """With n-gram speculation on, structured requests get no drafts (their matcher would have
+    to mask each draft's row), plain ones still do: every token equals the run without it."""
+    prompts, params = structured_workload()
+    plain = LLM(max_model_len=256, num_kv_blocks=64).generate(prompts, params, progress=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}
+    llm = LLM(max_model_len=256, num_kv_blocks=64, debug=2, speculative_config=spec)
+    drafted = llm.generate(prompts, params, progress=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    check_structured(drafted)
+    assert llm.engine.get_stats()["spec_decode_num_drafts_total"] > 0    # the plain ones drafted
