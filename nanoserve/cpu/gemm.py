@@ -159,8 +159,7 @@ class Int8KernelGemm(KernelGemm):
     def product(self, x: Tensor) -> Tensor:
         return super().product(x.to(self.dtype))
 
-    def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
-                 residual: Optional[Tensor] = None) -> Tensor:
+    def __call__(self, x: Tensor, norm=None, residual: Optional[Tensor] = None) -> Tensor:
         return super().__call__(x.to(self.dtype), norm, residual)
 
 
@@ -168,9 +167,8 @@ class Int8KernelGemm(KernelGemm):
 def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, silu_and_mul: bool = False,
                        probes=(1, 2, 4, 8, 16, 32, 64, 128)) -> int:
     """The most rows up to which gemm.c's in-register int8 form beats its widened-panel form on
-    this CPU: the last of `probes` before the first it loses, timed on a random int8 weight of
-    this shape, the two forms interleaved. Measured, not assumed: the bf16 form's dot products
-    of pairs (AVX512-BF16) move the crossover from one CPU to another."""
+    this CPU: the last of `probes` before the first it loses (random int8 weight of this shape,
+    the forms interleaved). Measured: AVX512-BF16's pair products move it from CPU to CPU."""
     weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
     scale, rows = torch.rand(out_features), 0
     forms = {name: Int8KernelGemm(weight, scale, None, dtype, silu_and_mul, register_rows=limit)
