@@ -184,7 +184,6 @@ def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, 
 class DequantizeGemm(Gemm):
     """A quantized weight's torch reference (layers.Linear.forward_native): widened to the rows'
     dtype inside every product, then F.linear. The only CPU path for fp8 (no CPU fp8 product)."""
-
     def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
         self.weight, self.scale, self.bias, self.silu_and_mul = weight, scale, bias, silu_and_mul
         self.nbytes = weight.numel() + scale.numel() * 4
@@ -196,8 +195,7 @@ class DequantizeGemm(Gemm):
 class Int8PackGemm(Gemm):
     """torch's own int8 weight-only product, aten._weight_int8pack_mm (x in bf16 or float32, W int8
     [out, in], a scale per output channel). In bf16 it needs in_features a multiple of 32 (torch
-    2.13: K = 8 crashes, K = 33 gives NaN), so make_gemm refuses other shapes."""
-
+    2.13: K = 8 crashes, K = 33 gives NaN), so it refuses other shapes."""
     def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype,
                  silu_and_mul: bool = False):
         if dtype not in (torch.float32, torch.bfloat16) or (dtype != torch.float32 and weight.shape[1] % 32):
