@@ -115,6 +115,30 @@ def test_int8_kernel_with_bias_and_silu_and_mul(dtype):
                                        rtol=3e-2)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", ["registers", "panels"])
+def test_fused_step_on_int8_products_equals_the_torch_reference(tmp_path, monkeypatch, dtype, form):
+    """The CPU backend's fused step with every product on gemm_int8 (norms inside, gate_up ending
+    in silu * up) == the model on its torch reference (dequantize, F.linear), logits of a prefill."""
+    from nanoserve.cpu import gemm
+    from nanoserve.cpu.fused import FusedStep
+    build_checkpoint(tmp_path, "llama")
+    monkeypatch.setattr(gemm, "int8_register_rows", lambda *shape: 1 << 30 if form == "registers" else 0)
+    config = Config(model=str(tmp_path), dtype=dtype, quantization="int8", cpu_gemm="kernel", num_kv_blocks=32)
+    fused = ModelRunner(config)
+    assert isinstance(fused.backend.forward, FusedStep)
+    assert {p for label, p in fused.gemm_paths.items() if "int8" in label} == {"kernel"}
+    monkeypatch.setenv("NANOSERVE_CPU_KERNEL", "0")
+    reference = ModelRunner(config)
+    assert reference.backend.name == "torch"
+    docs = [list(range(5, 45)), list(range(100, 103))]
+    for ids in docs:
+        ours, ref = (logits_of(runner, ids) for runner in (fused, reference))
+        tol = 1e-4 if dtype == "float32" else 3e-2
+        torch.testing.assert_close(ours, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
 def test_fp8_scaled_mm_selection_and_product():
     """torch._scaled_mm only where the GPU multiplies fp8 (8.9+), in bf16, on multiples of 16; its
     product (per-token activation scales) runs on CPU too in this torch, so it is checked here."""
@@ -148,18 +172,22 @@ def held_out_docs(n: int = 40) -> list[str]:
 
 
 @torch.inference_mode()
+def logits_of(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """Every position's logits [len(ids), vocab] (float32) of `ids` as one prefill through the
+    runner's backend (its products are the quantized ones), in blocks 0, 1, ..."""
+    table = list(range(-(-len(ids) // runner.block_size)))
+    out = SchedulerOutput([SimpleNamespace(all_token_ids=ids, num_tokens=len(ids))], [len(ids)], [0], [table])
+    input_ids, positions, meta, _, _ = runner.prepare_inputs(out)
+    hidden = runner.backend.forward(input_ids, positions, runner.kv_caches, runner.backend.build_metadata(meta))
+    return runner.model.compute_logits(hidden).float()
+
+
 def perplexity(runner: ModelRunner, docs: list[list[int]]) -> float:
-    """exp(mean next-token NLL) over every token after each document's first, each document one
-    prefill through the runner's backend (its products are the quantized ones)."""
-    nll, count, block = 0.0, 0, runner.block_size
+    """exp(mean next-token NLL) over every token after each document's first."""
+    nll, count = 0.0, 0
     for ids in docs:
         ids = ids[:runner.config.max_model_len]
-        table = list(range(-(-len(ids) // block)))
-        out = SchedulerOutput([SimpleNamespace(all_token_ids=ids, num_tokens=len(ids))], [len(ids)], [0], [table])
-        input_ids, positions, meta, _, _ = runner.prepare_inputs(out)
-        hidden = runner.backend.forward(input_ids, positions, runner.kv_caches, runner.backend.build_metadata(meta))
-        logits = runner.model.compute_logits(hidden).float()
-        nll += F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum").item()
+        nll += F.cross_entropy(logits_of(runner, ids)[:-1], torch.tensor(ids[1:]), reduction="sum").item()
         count += len(ids) - 1
     return math.exp(nll / count)
 

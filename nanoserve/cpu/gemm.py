@@ -57,7 +57,7 @@ from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.cpu.ops import rms_norm, silu_and_mul
 from nanoserve.layers import Linear, RMSNorm, gemm_label
-from nanoserve.quantization import dequantize
+from nanoserve.quantization import dequantize, quantize
 
 
 class Gemm:
@@ -201,14 +201,12 @@ class Int8PackGemm(Gemm):
         if dtype not in (torch.float32, torch.bfloat16) or (dtype != torch.float32 and weight.shape[1] % 32):
             raise RuntimeError("_weight_int8pack_mm needs float32, or bf16 with in_features % 32 == 0")
         self.weight, self.dtype, self.bias, self.silu_and_mul = weight.contiguous(), dtype, bias, silu_and_mul
-        self.scale = scale.to(dtype)   # the op takes the scales in x's dtype
-        self.nbytes = weight.numel() + scale.numel() * 4
+        self.scale, self.nbytes = scale.to(dtype), weight.numel() + scale.numel() * 4   # scales in x's dtype
 
     def product(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1]).to(self.dtype).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)
-        y = y if self.bias is None else y + self.bias
-        return y.view(*x.shape[:-1], y.shape[-1])
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(self.dtype).contiguous(),
+                                               self.weight, self.scale)
+        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], y.shape[-1])
 
 
 class AmxGemm(Gemm):
@@ -383,16 +381,18 @@ def choose_cpu_gemms(model, config: Config, silu_fused: bool) -> tuple[dict, dic
 
 
 def gemm_peak(path: str, dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int = 512,
-              device: str = "cpu", repeats: int = 3) -> float:
+              device: str = "cpu", repeats: int = 3, quantization: Optional[str] = None) -> float:
     """The best sustained FLOP/s of `path` (on CUDA: cuBLAS, F.linear) over the (in, out) weight
     shapes given, `rows` rows each: the ceiling the model's own products are measured against
     (`nanoserve bench`). The model's own shapes, because a square 2048^3 product can run slower
-    (or faster) than the shapes the model actually multiplies."""
+    (or faster) than the shapes the model actually multiplies. quantization: on such weights."""
     best = 0.0
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for in_features, out_features in shapes:
-        weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
-        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None)
+        weight, scale = torch.randn(out_features, in_features, dtype=dtype, device=device), None
+        if quantization:
+            weight, scale = quantize(weight, quantization)
+        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None, False, scale, dtype)
         x = torch.randn(rows, in_features, dtype=dtype, device=device)
         seconds = _best_seconds(lambda r: (gemm.product(r), sync()), x, repeats)
         best = max(best, 2 * rows * in_features * out_features / seconds)
