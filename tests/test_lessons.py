@@ -42,6 +42,8 @@ DETERMINISTIC = ("nanoserve memory", "nanoserve cost")
 FIGURES = {"06": ["21.60 GiB", "14.96 GiB", "0.55 GiB", "6.09 GiB", "3,119", "49,904",
                   "131,072", "$0.15", "$0.60", "$2.69", "86,400", "$810.00", "$1,936.80",
                   "432,000", "239,111", "23.1%"]}
+# Lesson 6's quantization section (issue 40): Llama-3-8B on 16 GiB in int8, one GPU and two.
+FIGURES["06"] += ["14.40 GiB", "8.47 GiB", "2,758", "7.48 GiB", "6,789", "4.23 GiB", "10,115"]
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
 TOTAL_LIMIT_S = 300         # every command and image of all seven lessons together
 seconds_per_lesson: dict[str, float] = {}
