@@ -21,18 +21,10 @@ import torch
 
 from nanoserve.config import Config
 from nanoserve.layers import Backend, Linear, gemm_label
-from nanoserve.quantization import log_widening
 
 
 def load_backend(model, config: Config, device: torch.device) -> Backend:
-    """Bind `model`'s ops to the backend for `device` (the module docstring); one log line where
-    fp8 weights must be widened in the product (quantization.py)."""
-    backend = _bind(model, config, device)
-    log_widening(backend.gemm_paths)
-    return backend
-
-
-def _bind(model, config: Config, device: torch.device) -> Backend:
+    """Bind `model`'s ops to the backend for `device` (the module docstring)."""
     if device.type == "cuda":
         from nanoserve.cuda.backend import bind
         return bind(model, config.block_size, torch_gemm_paths(model))

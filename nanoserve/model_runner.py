@@ -47,7 +47,7 @@ from nanoserve.model_loader import (CPU_KV_CACHE_GB, DeviceMemory, device_memory
                                     resolve_dtype, resolve_model_path)
 from nanoserve.models import get_model_class
 from nanoserve.models.llama import head_dim_of, num_kv_heads_of
-from nanoserve.quantization import check_quantization
+from nanoserve.quantization import check_quantization, log_widening
 from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
 
@@ -69,6 +69,7 @@ class ModelRunner:
         # Each op's form for this device, chosen once (backends.py); the model itself stays plain.
         self.backend = load_backend(self.model, config, self.device)
         self.gemm_paths = self.backend.gemm_paths
+        log_widening(self.gemm_paths)    # one line where fp8 weights are widened in the product
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
         self.config = config.resolve(max_position_embeddings=max_len_of(self.model),

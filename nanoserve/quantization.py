@@ -79,8 +79,9 @@ def check_quantization(method: Optional[str], hf_config, device: torch.device) -
 
 
 def log_widening(gemm_paths: dict[str, str]) -> None:
-    """One line where fp8 weights are widened to the model dtype inside the product (no fp8
-    product on this device): the memory is saved, the speed is the model dtype's, or worse."""
+    """One line, once the backend is bound (ModelRunner), where fp8 weights are widened to the
+    model dtype inside the product (no fp8 product on this device): the memory is saved, the
+    speed is the model dtype's, or worse."""
     widened = [label for label, path in gemm_paths.items() if "float8" in label and path != "scaled_mm"]
     if widened:
         _log_once(f"quantization fp8: no fp8 product on this device, so {len(widened)} product "
