@@ -149,8 +149,9 @@ class Int8KernelGemm(KernelGemm):
         if dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeError("the C int8 GEMM takes float32 or bf16 activations")
         self.dtype = dtype
+        pairs = dtype == torch.bfloat16 and bool(cpu_kernels.load().gemm_int8_pairs())
         self.packed, self.scales, self.bias, row_order = cpu_kernels.gemm_pack_int8(
-            weight.detach(), scale, bias, silu_and_mul)
+            weight.detach(), scale, bias, silu_and_mul, pairs)
         self._finish(weight.shape, row_order, silu_and_mul)
         self.nbytes += self.scales.numel() * 4
         self.register_rows = (int8_register_rows(*weight.shape, dtype, silu_and_mul)

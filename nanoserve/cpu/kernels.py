@@ -125,7 +125,8 @@ def load():
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     kernels.gemm.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
                              + [ctypes.c_int] * 6)
-    kernels.gemm_int8.restype = ctypes.c_int
+    kernels.gemm_int8.restype = kernels.gemm_int8_pairs.restype = ctypes.c_int
+    kernels.gemm_int8_pairs.argtypes = []
     kernels.gemm_int8.argtypes = kernels.gemm.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
@@ -247,10 +248,11 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor],
     return packed, padded_bias, row_order
 
 
-def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor],
-                   silu_and_mul: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """gemm_pack's float32 layout for an int8 weight [out, in] (quantization.py), one byte an
-    element (gemm.c's gemm_int8 widens it in registers, or a panel at a time): (packed, scales and
+def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False,
+                   pairs: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """gemm_pack's layout for an int8 weight [out, in] (quantization.py), one byte an element:
+    float32's, or with `pairs` bf16's k-pairs (for bf16 x where gemm_int8_pairs(): AVX512-BF16).
+    gemm.c's gemm_int8 widens it in registers, or a panel at a time. Returns (packed, scales and
     bias in float32 padded to whole panels, row order)."""
     if load() is None or weight.dtype != torch.int8:
         raise RuntimeError("the C int8 GEMM needs the CPU kernels and an int8 weight")
@@ -259,13 +261,15 @@ def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor],
         weight, bias, row_order = _gate_up_panels(weight, bias, width)
         scale = torch.cat([scale, scale.new_zeros(1)])[row_order]
     (n, k), panels = weight.shape, -(-weight.shape[0] // width)
-    padded = weight.new_zeros(panels * width, k)
-    padded[:n] = weight
+    padded = weight.new_zeros(panels * width, k + k % 2 if pairs else k)
+    padded[:n, :k] = weight
     scales, padded_bias = torch.zeros(panels * width), torch.zeros(panels * width)
     scales[:n] = scale.float()
     if bias is not None:
         padded_bias[:n] = bias.detach().float()
-    packed = padded.view(panels, width, k).permute(0, 2, 1).contiguous().flatten()   # [panel][k][column]
+    # [panel][k][column], or [panel][k / 2][column][k % 2]
+    packed = (padded.view(panels, width, -1, 2).permute(0, 2, 1, 3) if pairs else
+              padded.view(panels, width, k).permute(0, 2, 1)).contiguous().flatten()
     return packed, scales, padded_bias, row_order
 
 
