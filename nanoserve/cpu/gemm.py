@@ -25,6 +25,8 @@ model's real shapes and row counts, on this machine, and gives each Linear the f
                    near memory speed (a decode step's 1-64 rows), above it F.linear on the same
                    tensor (prefill). One copy of the weight serves both. The loop ends gate_up in
                    silu(gate) * up itself, as the kernel path does.
+    --quantization int8: torch (dequantize, then F.linear), int8pack (torch's _weight_int8pack_mm)
+    and kernel (gemm.c's gemm_int8, Int8KernelGemm); fp8: torch alone (no CPU multiplies fp8).
 
 Each path is a `Gemm` with two forms of its product: `product(x)`, the Linear op's (what
 layers.Linear.forward_native computes), and `gemm(x, norm, residual)`, the fused step's
@@ -122,7 +124,7 @@ class KernelGemm(Gemm):
         self.out_features = shape[0] // 2 if silu_and_mul else shape[0]
         # Where each of W's rows went (padding rows, at the end of the sort, are left out).
         self.columns = torch.argsort(row_order, stable=True)[:shape[0]] if silu_and_mul else None
-        self.nbytes = self.packed.numel() * self.packed.element_size()
+        self.nbytes = self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def product(self, x: Tensor) -> Tensor:
         if not self.silu_and_mul:
@@ -148,14 +150,12 @@ class Int8KernelGemm(KernelGemm):
                  silu_and_mul: bool = False, register_rows: Optional[int] = None):
         if dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeError("the C int8 GEMM takes float32 or bf16 activations")
-        self.dtype = dtype
-        pairs = dtype == torch.bfloat16 and bool(cpu_kernels.load().gemm_int8_pairs())
+        self.dtype, pairs = dtype, dtype == torch.bfloat16 and bool(cpu_kernels.load().gemm_int8_pairs())
         self.packed, self.scales, self.bias, row_order = cpu_kernels.gemm_pack_int8(
             weight.detach(), scale, bias, silu_and_mul, pairs)
         self._finish(weight.shape, row_order, silu_and_mul)
-        self.nbytes += self.scales.numel() * 4
-        self.register_rows = (int8_register_rows(*weight.shape, dtype, silu_and_mul)
-                              if register_rows is None else register_rows)
+        self.register_rows = register_rows if register_rows is not None else int8_register_rows(
+            *weight.shape, dtype, silu_and_mul)
 
     def product(self, x: Tensor) -> Tensor:
         return super().product(x.to(self.dtype))
