@@ -174,7 +174,7 @@ def _add_memory(sub) -> None:
     mem.add_argument("--plot", metavar="FILE", help="Write a figure: memory against context "
                      "length and batch size.")
     sizing = ("dtype", "max_model_len", "block_size", "kv_cache_memory_gb",
-              "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens")
+              "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "quantization")
     Config.add_cli_args(mem, skip=tuple(f.name for f in dataclasses.fields(Config)
                                         if f.name not in sizing))
     mem.set_defaults(func=_memory)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 DEFAULT_MODEL = "nanoserve-tiny"
+QUANTIZATION_METHODS = ("int8", "fp8")   # weight-only, quantized at load (quantization.py)
 
 
 def _f(default: Any, help: str, choices: tuple | None = None):
@@ -46,8 +47,14 @@ class Config:
     skip_tokenizer_init: bool = _f(False, "Load no tokenizer: prompts must be "
                                    "{'prompt_token_ids': [...]} and outputs carry token ids only.")
     cpu_gemm: str = _f("auto", "How Linear layers multiply on CPU. 'auto': the fastest path on "
-                       "this machine, timed at start-up on the model's shapes.",
-                       ("auto", "torch", "onednn", "onednn-fp32", "kernel", "amx"))
+                       "this machine, timed at start-up on the model's shapes ('int8pack': "
+                       "torch's int8 product, for --quantization int8).",
+                       ("auto", "torch", "onednn", "onednn-fp32", "kernel", "amx", "int8pack"))
+    quantization: Optional[str] = _f(None, "Quantize the weights at load, weight-only, one scale "
+                                     "per output channel (every Linear but the LM head): 'int8', "
+                                     "or 'fp8' (e4m3; torch._scaled_mm on GPUs with fp8, else "
+                                     "widened to --dtype in the product). Activations keep --dtype.",
+                                     QUANTIZATION_METHODS)
     tensor_parallel_size: int = _f(1, "Split the model over this many worker processes "
                                    "(torch.distributed: NCCL, one GPU each; gloo on CPU).")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
@@ -131,8 +138,8 @@ class Config:
             raise ValueError("gpu_memory_utilization must be in (0, 1] "
                              f"(got {self.gpu_memory_utilization})")
         for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)} "
                                  f"(got {getattr(self, f.name)!r})")
         if self.speculative_config is not None:

@@ -30,7 +30,7 @@ graphs from its eager model, and gives the model runner the fused step as `Backe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.paged_attention import paged_attention_torch, store_kv_torch
+from nanoserve.quantization import dequantize, quantized_dtype
 
 
 class CustomOp(nn.Module):
@@ -57,16 +58,28 @@ class CustomOp(nn.Module):
 class Linear(CustomOp):
     """y = x @ W.T + b. `weight` is [out_features, in_features], as in HF checkpoints.
     A backend may multiply another way (cpu/gemm.py: a packed weight, the path timed fastest on
-    this CPU); the weight it was loaded with is what it multiplies."""
+    this CPU); the weight it was loaded with is what it multiplies.
+    quantization ('int8', 'fp8'): `weight` holds int8 / float8_e4m3fn values q and `weight_scale`
+    one float32 scale per output channel, W = q * scale (quantization.py); x, b and y stay in
+    the model dtype."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 quantization: Optional[str] = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.quantization = quantization
+        if quantization is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        else:   # filled by the loader, which quantizes each checkpoint slice as it reads it
+            self.weight = nn.Parameter(torch.empty(out_features, in_features,
+                                                   dtype=quantized_dtype(quantization)), requires_grad=False)
+            self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward_native(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quantization is None:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, dequantize(self.weight, self.weight_scale, x.dtype), self.bias)
 
 
 class RMSNorm(CustomOp):

@@ -49,6 +49,7 @@ from nanoserve.model_loader import (CPU_KV_CACHE_GB, DeviceMemory, device_memory
                                     resolve_dtype, resolve_model_path)
 from nanoserve.models import get_model_class
 from nanoserve.models.llama import head_dim_of, num_kv_heads_of
+from nanoserve.quantization import check_quantization, log_widening
 from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
 from nanoserve.spec_decode import sampled_per_request, verification_rows
@@ -86,10 +87,12 @@ class ModelRunner:
         self.tp = tp
         self.device = device or torch.device(resolve_device(config.device))
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
-        self.model = self._load_model()
+        check_quantization(config.quantization, self.hf_config, self.device)
+        self.model = self._load_model(config.quantization)
         # Each op's form for this device, chosen once (backends.py); the model itself stays plain.
         self.backend = load_backend(self.model, config, self.device)
         self.gemm_paths = self.backend.gemm_paths
+        log_widening(self.gemm_paths)    # one line where fp8 weights are widened in the product
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
         self.config = config.resolve(max_position_embeddings=max_len_of(self.model),
@@ -107,13 +110,15 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}   # request id -> its seeded generator
         self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # seconds, summed
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, quantization: Optional[str]) -> torch.nn.Module:
+        """The model in the target dtype on the device, built with its quantization fixed, then
+        filled one checkpoint tensor at a time (this rank's slice of each, quantized as read)."""
         model_class = get_model_class(self.hf_config)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)    # parameters are created in the target dtype
         try:
             with self.device:
-                model = model_class(self.hf_config, self.tp)
+                model = model_class(self.hf_config, self.tp, quantization)
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iterate_weights(self.model_path))

@@ -51,6 +51,8 @@ FIGURES.update({
     "04": ["240 computed tokens", "48 of 440 prompt tokens hit"],
     "05": ["448 of 640 prompt tokens"],
 })
+# Lesson 6's quantization section (issue 40): Llama-3-8B on 16 GiB in int8, one GPU and two.
+FIGURES["06"] += ["14.40 GiB", "8.47 GiB", "2,758", "7.48 GiB", "6,789", "4.23 GiB", "10,115"]
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
 TOTAL_LIMIT_S = 340         # every command and image of all eight lessons together (lesson 8: ~30 s)
 seconds_per_lesson: dict[str, float] = {}

@@ -40,14 +40,15 @@ import torch
 from torch import Tensor
 
 from nanoserve.cpu import kernels as cpu_kernels
-from nanoserve.cpu.gemm import AmxGemm, Gemm, KernelGemm
+from nanoserve.cpu.gemm import AmxGemm, Gemm, Int8KernelGemm, KernelGemm
 from nanoserve.cpu.ops import CpuAttentionMetadata, paged_attention_cpu
 from nanoserve.layers import RMSNorm
 
 class Product(NamedTuple):
     """One Linear as gemm.c takes it: fn(x, residual, norm weight, eps, weight, bias, y, rows,
     *shape, threads), with `weight` the tensor the path multiplies (amx: the weight as it is;
-    kernel: its packed panels) and `shape` the rest of the path's arguments. fn None: the path is
+    kernel: its packed panels; int8: its int8 panels, the scales last in `shape`) and `shape` the
+    rest of the path's arguments. fn None: the path is
     not a C call (F.linear, oneDNN), and the step calls the Gemm itself."""
     fn: object
     weight: int
@@ -63,6 +64,10 @@ def product_of(gemm: Gemm, kernels) -> Product:
         rows, cols = gemm.weight.shape
         return Product(kernels.gemm_amx, gemm.weight.data_ptr(), gemm.bias_f32.data_ptr(),
                        (rows, cols, silu), gemm.loop_rows, gemm)
+    if isinstance(gemm, Int8KernelGemm):
+        return Product(kernels.gemm_int8, gemm.packed.data_ptr(), gemm.bias.data_ptr(),
+                       (gemm.out_features, gemm.in_features, int(gemm.dtype == torch.bfloat16), silu,
+                        gemm.scales.data_ptr(), gemm.register_rows), 1 << 30, gemm)
     if isinstance(gemm, KernelGemm):
         bf16 = int(gemm.packed.dtype == torch.bfloat16)
         return Product(kernels.gemm, gemm.packed.data_ptr(), gemm.bias.data_ptr(),

@@ -25,6 +25,8 @@ model's real shapes and row counts, on this machine, and gives each Linear the f
                    near memory speed (a decode step's 1-64 rows), above it F.linear on the same
                    tensor (prefill). One copy of the weight serves both. The loop ends gate_up in
                    silu(gate) * up itself, as the kernel path does.
+    --quantization int8: torch (dequantize, then F.linear), int8pack (torch's _weight_int8pack_mm)
+    and kernel (gemm.c's gemm_int8, Int8KernelGemm); fp8: torch alone (no CPU multiplies fp8).
 
 Each path is a `Gemm` with two forms of its product: `product(x)`, the Linear op's (what
 layers.Linear.forward_native computes), and `gemm(x, norm, residual)`, the fused step's
@@ -57,6 +59,7 @@ from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.cpu.ops import rms_norm, silu_and_mul
 from nanoserve.layers import Linear, RMSNorm, gemm_label
+from nanoserve.quantization import dequantize, quantize
 
 
 class Gemm:
@@ -109,24 +112,102 @@ class KernelGemm(Gemm):
     silu_and_mul: gate_up's rows packed in the order that lets a tile end in silu(gate) * up; the
     plain product then comes out in that order, and `product` puts its columns back in W's."""
 
+    scales, register_rows = None, 0   # an int8 weight's (Int8KernelGemm)
+
     def __init__(self, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
         self.packed, self.bias, row_order = cpu_kernels.gemm_pack(weight.detach(), bias, silu_and_mul)
+        self._finish(weight.shape, row_order, silu_and_mul)
+
+    def _finish(self, shape, row_order: Tensor, silu_and_mul: bool) -> None:
         self.silu_and_mul, self.packed_rows = silu_and_mul, len(row_order)
-        self.in_features = weight.shape[1]
-        self.out_features = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+        self.in_features = shape[1]
+        self.out_features = shape[0] // 2 if silu_and_mul else shape[0]
         # Where each of W's rows went (padding rows, at the end of the sort, are left out).
-        self.columns = torch.argsort(row_order, stable=True)[:weight.shape[0]] if silu_and_mul else None
-        self.nbytes = self.packed.numel() * self.packed.element_size()
+        self.columns = torch.argsort(row_order, stable=True)[:shape[0]] if silu_and_mul else None
+        self.nbytes = self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def product(self, x: Tensor) -> Tensor:
         if not self.silu_and_mul:
-            return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features)
-        return cpu_kernels.gemm(x, self.packed, self.bias, self.packed_rows)[..., self.columns]
+            return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, scales=self.scales,
+                                    register_rows=self.register_rows)
+        return cpu_kernels.gemm(x, self.packed, self.bias, self.packed_rows, scales=self.scales,
+                                register_rows=self.register_rows)[..., self.columns]
 
     def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
                  residual: Optional[Tensor] = None) -> Tensor:
         return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul,
-                                norm, residual)
+                                norm, residual, self.scales, self.register_rows)
+
+
+class Int8KernelGemm(KernelGemm):
+    """gemm.c's product on an int8 weight (`--quantization int8`), packed once into the `kernel`
+    path's panels, one byte an element, with a float32 scale per column. Up to `register_rows`
+    rows the bytes are widened in registers (a decode step: the weight streamed once, at half
+    bf16's bytes); above, a panel at a time into cache, then multiplied as the model dtype's.
+    register_rows None: measured (int8_register_rows). `dtype`: the model's, which x must be."""
+
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype,
+                 silu_and_mul: bool = False, register_rows: Optional[int] = None):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise RuntimeError("the C int8 GEMM takes float32 or bf16 activations")
+        self.dtype, pairs = dtype, dtype == torch.bfloat16 and bool(cpu_kernels.load().gemm_int8_pairs())
+        self.packed, self.scales, self.bias, row_order = cpu_kernels.gemm_pack_int8(
+            weight.detach(), scale, bias, silu_and_mul, pairs)
+        self._finish(weight.shape, row_order, silu_and_mul)
+        self.register_rows = register_rows if register_rows is not None else int8_register_rows(
+            *weight.shape, dtype, silu_and_mul)
+
+    def product(self, x: Tensor) -> Tensor:
+        return super().product(x.to(self.dtype))
+
+    def __call__(self, x: Tensor, norm=None, residual: Optional[Tensor] = None) -> Tensor:
+        return super().__call__(x.to(self.dtype), norm, residual)
+
+
+@functools.lru_cache(maxsize=None)
+def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, silu_and_mul: bool = False,
+                       probes=(1, 2, 4, 8, 16, 32, 64, 128)) -> int:
+    """The most rows up to which gemm.c's in-register int8 form beats its widened-panel form on
+    this CPU: the last of `probes` before the first it loses (random int8 weight of this shape,
+    the forms interleaved). Measured: AVX512-BF16's pair products move it from CPU to CPU."""
+    weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    scale, rows = torch.rand(out_features), 0
+    forms = {name: Int8KernelGemm(weight, scale, None, dtype, silu_and_mul, register_rows=limit)
+             for name, limit in (("registers", 1 << 30), ("panels", 0))}
+    for m in probes:
+        seconds = _interleaved_seconds(forms, torch.randn(m, in_features, dtype=dtype), 2)
+        if seconds["registers"] > seconds["panels"]:
+            break
+        rows = m
+    return rows
+
+
+class DequantizeGemm(Gemm):
+    """A quantized weight's torch reference (layers.Linear.forward_native): widened to the rows'
+    dtype inside every product, then F.linear. The only CPU path for fp8 (no CPU fp8 product)."""
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
+        self.weight, self.scale, self.bias, self.silu_and_mul = weight, scale, bias, silu_and_mul
+        self.nbytes = weight.numel() + scale.numel() * 4
+
+    def product(self, x: Tensor) -> Tensor:
+        return F.linear(x, dequantize(self.weight, self.scale, x.dtype), self.bias)
+
+
+class Int8PackGemm(Gemm):
+    """torch's own int8 weight-only product, aten._weight_int8pack_mm (x in bf16 or float32, W int8
+    [out, in], a scale per output channel). In bf16 it needs in_features a multiple of 32 (torch
+    2.13: K = 8 crashes, K = 33 gives NaN), so it refuses other shapes."""
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype,
+                 silu_and_mul: bool = False):
+        if dtype not in (torch.float32, torch.bfloat16) or (dtype != torch.float32 and weight.shape[1] % 32):
+            raise RuntimeError("_weight_int8pack_mm needs float32, or bf16 with in_features % 32 == 0")
+        self.weight, self.dtype, self.bias, self.silu_and_mul = weight.contiguous(), dtype, bias, silu_and_mul
+        self.scale, self.nbytes = scale.to(dtype), weight.numel() + scale.numel() * 4   # scales in x's dtype
+
+    def product(self, x: Tensor) -> Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).to(self.dtype).contiguous(),
+                                               self.weight, self.scale)
+        return (y if self.bias is None else y + self.bias).view(*x.shape[:-1], y.shape[-1])
 
 
 class AmxGemm(Gemm):
@@ -160,9 +241,19 @@ class AmxGemm(Gemm):
         return super().__call__(x, norm, residual) if y is None else y
 
 
-def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False) -> Gemm:
+def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False,
+              scale: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> Gemm:
     """The product of `weight` and `bias` along `path`. Raises RuntimeError where this machine
-    cannot do it (oneDNN bf16 without AVX-512 or AVX-NE-CONVERT; no C compiler; no AMX)."""
+    cannot do it (oneDNN bf16 without AVX-512 or AVX-NE-CONVERT; no C compiler; no AMX).
+    scale: `weight` is quantized (int8 or fp8, one scale per row) and `dtype` is the model's."""
+    if scale is not None:
+        if path == "kernel" and weight.dtype == torch.int8:
+            return Int8KernelGemm(weight, scale, bias, dtype, silu_and_mul)
+        if path == "int8pack" and weight.dtype == torch.int8:
+            return Int8PackGemm(weight, scale, bias, dtype, silu_and_mul)
+        if path == "torch":
+            return DequantizeGemm(weight, scale, bias, silu_and_mul)
+        raise RuntimeError(f"no {path} path for a {weight.dtype} weight")
     if path == "kernel":
         return KernelGemm(weight, bias, silu_and_mul)
     if path == "amx":
@@ -194,8 +285,14 @@ def amx_loop_rows(out_features: int, in_features: int, silu_and_mul: bool = Fals
     return rows
 
 
-def candidate_paths(dtype: torch.dtype) -> tuple[str, ...]:
-    """The paths worth timing for weights of `dtype` on a CPU."""
+def candidate_paths(dtype: torch.dtype, model_dtype: Optional[torch.dtype] = None) -> tuple[str, ...]:
+    """The paths worth timing for weights of `dtype` (int8 or fp8: quantized, for activations of
+    `model_dtype`) on a CPU. An fp8 weight has one, widened in the product: no CPU multiplies fp8."""
+    if dtype == torch.int8:
+        kernel = model_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None
+        return ("torch", "int8pack") + (("kernel",) if kernel else ())
+    if dtype.itemsize == 1:
+        return ("torch",)
     paths = ["torch"]
     if torch.backends.mkldnn.is_available():
         paths += ["onednn", "onednn-fp32"] if dtype in (torch.bfloat16, torch.float16) else ["onednn"]
@@ -229,22 +326,23 @@ def _interleaved_seconds(gemms: dict[str, Gemm], x: Tensor, repeats: int) -> dic
 
 @torch.inference_mode()
 def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
-               paths: Iterable[str], repeats: int = 3, silu_and_mul: bool = False) -> dict[str, float]:
+               paths: Iterable[str], repeats: int = 3, silu_and_mul: bool = False,
+               scale: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> dict[str, float]:
     """Each path's cost over `rows`: the sum, over the row counts, of its best time divided by
     the fastest path's (1.0 per row count = always the fastest), silu_and_mul included where the
     layer has it. Paths this machine cannot run are left out. Relative, so a 512-row product
-    does not drown out the 1-row decode."""
+    does not drown out the 1-row decode. scale, dtype: a quantized weight's (make_gemm)."""
     gemms = {}
     for path in paths:
         try:
-            gemms[path] = make_gemm(path, weight, bias, silu_and_mul)
+            gemms[path] = make_gemm(path, weight, bias, silu_and_mul, scale, dtype)
         except RuntimeError:      # oneDNN without support for this dtype here
             continue
     cost = dict.fromkeys(gemms, 0.0)
     if len(gemms) <= 1:
         return cost
     for m in rows:
-        seconds = _interleaved_seconds(gemms, torch.randn(m, weight.shape[1], dtype=weight.dtype), repeats)
+        seconds = _interleaved_seconds(gemms, torch.randn(m, weight.shape[1], dtype=dtype or weight.dtype), repeats)
         fastest = min(seconds.values())
         for path, s in seconds.items():
             cost[path] += s / fastest
@@ -263,34 +361,39 @@ def choose_cpu_gemms(model, config: Config, silu_fused: bool) -> tuple[dict, dic
     keeps torch's. silu_fused: gate_up's gemm is built for the fused step's silu(gate) * up.
     Returns ({Linear: Gemm}, {'in x out dtype': path}), the latter for `nanoserve bench`."""
     chosen, gemms, labels = {}, {}, {}
+    dtype = model.model.embed_tokens.weight.dtype    # the activations'
     for name, layer in model.named_modules():
         if not isinstance(layer, Linear):
             continue
         w, silu = layer.weight.detach(), silu_fused and name.endswith("gate_up_proj")
+        scale = layer.weight_scale if layer.quantization else None
         key = (w.shape, w.dtype, layer.bias is not None, silu)
         if key not in chosen:
-            paths = candidate_paths(w.dtype)
+            paths = candidate_paths(w.dtype, dtype)
             if config.cpu_gemm != "auto":
                 paths = [p for p in paths if p == config.cpu_gemm] or ["torch"]
             rows = timed_rows(config.max_num_seqs if layer is model.lm_head else config.max_num_batched_tokens)
-            cost = time_paths(w, layer.bias, rows, paths, silu_and_mul=silu) or {"torch": 0.0}
+            cost = time_paths(w, layer.bias, rows, paths, silu_and_mul=silu, scale=scale,
+                              dtype=dtype) or {"torch": 0.0}
             chosen[key] = min(cost, key=cost.get)
-        gemms[layer] = make_gemm(chosen[key], w, layer.bias, silu)
+        gemms[layer] = make_gemm(chosen[key], w, layer.bias, silu, scale, dtype)
         labels[gemm_label(layer, w.dtype) + (" silu_and_mul" if silu else "")] = chosen[key]
     return gemms, labels
 
 
 def gemm_peak(path: str, dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int = 512,
-              device: str = "cpu", repeats: int = 3) -> float:
+              device: str = "cpu", repeats: int = 3, quantization: Optional[str] = None) -> float:
     """The best sustained FLOP/s of `path` (on CUDA: cuBLAS, F.linear) over the (in, out) weight
     shapes given, `rows` rows each: the ceiling the model's own products are measured against
     (`nanoserve bench`). The model's own shapes, because a square 2048^3 product can run slower
-    (or faster) than the shapes the model actually multiplies."""
+    (or faster) than the shapes the model actually multiplies. quantization: on such weights."""
     best = 0.0
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for in_features, out_features in shapes:
-        weight = torch.randn(out_features, in_features, dtype=dtype, device=device)
-        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None)
+        weight, scale = torch.randn(out_features, in_features, dtype=dtype, device=device), None
+        if quantization:
+            weight, scale = quantize(weight, quantization)
+        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None, False, scale, dtype)
         x = torch.randn(rows, in_features, dtype=dtype, device=device)
         seconds = _best_seconds(lambda r: (gemm.product(r), sync()), x, repeats)
         best = max(best, 2 * rows * in_features * out_features / seconds)

@@ -16,6 +16,7 @@ reference it replaces (layers.py, paged_attention.py):
                          where torch's goes one float at a time.
     gemm.c               a Linear's product on its weight packed once (cpu/gemm.py's `kernel`
                          path); for the MLP's gate_up, optionally silu(gate) * up in the same pass.
+                         The same on an int8 weight (`--quantization int8`): gemm_int8.
                          With AMX, also a bf16 product on the weight as it is (the `amx` path).
 
 What each was measured to gain, and on which CPU: scripts/results/README.md.
@@ -124,6 +125,9 @@ def load():
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     kernels.gemm.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
                              + [ctypes.c_int] * 6)
+    kernels.gemm_int8.restype = kernels.gemm_int8_pairs.restype = ctypes.c_int
+    kernels.gemm_int8_pairs.argtypes = []
+    kernels.gemm_int8.argtypes = kernels.gemm.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
     kernels.gemm_amx.argtypes = kernels.gemm.argtypes[:7] + [ctypes.c_int] * 5
@@ -244,6 +248,31 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor],
     return packed, padded_bias, row_order
 
 
+def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False,
+                   pairs: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """gemm_pack's layout for an int8 weight [out, in] (quantization.py), one byte an element:
+    float32's, or with `pairs` bf16's k-pairs (for bf16 x where gemm_int8_pairs(): AVX512-BF16).
+    gemm.c's gemm_int8 widens it in registers, or a panel at a time. Returns (packed, scales and
+    bias in float32 padded to whole panels, row order)."""
+    if load() is None or weight.dtype != torch.int8:
+        raise RuntimeError("the C int8 GEMM needs the CPU kernels and an int8 weight")
+    width, row_order = load().gemm_panel_width(), torch.arange(weight.shape[0])
+    if silu_and_mul:
+        weight, bias, row_order = _gate_up_panels(weight, bias, width)
+        scale = torch.cat([scale, scale.new_zeros(1)])[row_order]
+    (n, k), panels = weight.shape, -(-weight.shape[0] // width)
+    padded = weight.new_zeros(panels * width, k + k % 2 if pairs else k)
+    padded[:n, :k] = weight
+    scales, padded_bias = torch.zeros(panels * width), torch.zeros(panels * width)
+    scales[:n] = scale.float()
+    if bias is not None:
+        padded_bias[:n] = bias.detach().float()
+    # [panel][k][column], or [panel][k / 2][column][k % 2]
+    packed = (padded.view(panels, width, -1, 2).permute(0, 2, 1, 3) if pairs else
+              padded.view(panels, width, k).permute(0, 2, 1)).contiguous().flatten()
+    return packed, scales, padded_bias, row_order
+
+
 def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple[Tensor, Optional[Tensor], Tensor]:
     """gate_up's rows in gemm_pack's silu_and_mul order: per panel of `width` rows (three vectors
     of L = width / 3 lanes), gate rows [0, L), up rows [0, L), gate rows [L, 3L/2), up rows
@@ -278,20 +307,24 @@ def _norm_arguments(rows: Tensor, norm, residual: Optional[Tensor]) -> tuple:
 
 
 def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mul: bool = False,
-         norm=None, residual: Optional[Tensor] = None) -> Tensor:
+         norm=None, residual: Optional[Tensor] = None, scales: Optional[Tensor] = None,
+         register_rows: int = 0) -> Tensor:
     """gemm.c: x [..., in] @ W.T + b, with W and b as `gemm_pack` packed them; in W's dtype (the
     model's rows already are). silu_and_mul (W packed with it; out_features: the intermediate
     size): silu(gate) * up of that product, as `silu_and_mul` computes it, without storing gate_up.
     norm (an RMSNorm: its weight and eps): the product of `rms_norm(x, residual, weight, eps)`
     instead of x (residual, if given, updated in place the same way), without storing the
-    normalised rows."""
-    rows = _as_rows(x.to(packed.dtype))
+    normalised rows.
+    scales (W packed by gemm_pack_int8): gemm_int8's product, W = q x scales, in registers up to
+    `register_rows` rows (x in the model's dtype, float32 or bf16)."""
+    rows = _as_rows(x if scales is not None else x.to(packed.dtype))
     weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
     m, k = rows.shape
     out = rows.new_empty(m, out_features)
-    if load().gemm(rows.data_ptr(), residual_ptr, weight, eps, packed.data_ptr(), bias.data_ptr(),
-                   out.data_ptr(), m, out_features, k, int(rows.dtype == torch.bfloat16),
-                   int(silu_and_mul), torch.get_num_threads()):
+    args = (rows.data_ptr(), residual_ptr, weight, eps, packed.data_ptr(), bias.data_ptr(), out.data_ptr(),
+            m, out_features, k, int(rows.dtype == torch.bfloat16), int(silu_and_mul))
+    if (load().gemm(*args, torch.get_num_threads()) if scales is None
+            else load().gemm_int8(*args, scales.data_ptr(), register_rows, torch.get_num_threads())):
         raise MemoryError(f"gemm.c could not allocate its copies of x ({m} x {k})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 

@@ -1,6 +1,7 @@
 """backend.py: the CUDA backend: the Triton kernels (paged_attention_triton.py) for storing K/V and
-for attention over the paged cache; every other op keeps its torch form (cuBLAS products, torch's
-own CUDA kernels for the norms, RoPE and silu).
+for attention over the paged cache, and fp8 products on torch._scaled_mm where the GPU has them
+(quantized.py); every other op keeps its torch form (cuBLAS products, torch's own CUDA kernels for
+the norms, RoPE and silu).
 
     pytest -q tests/test_paged_attention_triton.py     # the kernels == the torch reference
 """
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import Tensor
 
 from nanoserve.cuda.paged_attention_triton import (compile_kernels, paged_attention_triton,
                                                    store_kv_triton)
-from nanoserve.layers import Attention, Backend, RopeStoreKV, apply_rope
+from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
+from nanoserve.layers import Attention, Backend, Linear, RopeStoreKV, apply_rope, gemm_label
 
 
 def rope_store_kv(rope, q: Tensor, k: Tensor, v: Tensor, kv_cache, slot_mapping: Tensor) -> Tensor:
@@ -30,12 +33,17 @@ def attention(op: Attention, q: Tensor, kv_cache, attn_metadata) -> Tensor:
 
 def bind(model, block_size: int, gemm_paths: dict[str, str]) -> Backend:
     """The Triton forms for `model`'s ops, every kernel variant compiled now (compile_kernels), so
-    that no step of serving stalls on a compile."""
+    that no step of serving stalls on a compile; fp8 Linears on torch._scaled_mm where the GPU
+    multiplies fp8 (quantized.py)."""
     attn, weight = model.model.layers[0].self_attn, model.model.embed_tokens.weight
     compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim, block_size, weight.dtype,
                     weight.device)
+    capability = torch.cuda.get_device_capability(weight.device)
     for module in model.modules():
-        if isinstance(module, RopeStoreKV):
+        if isinstance(module, Linear) and uses_scaled_mm(module, capability, weight.dtype):
+            module.impl = functools.partial(scaled_mm_linear, module)
+            gemm_paths[gemm_label(module, module.weight.dtype)] = "scaled_mm"
+        elif isinstance(module, RopeStoreKV):
             module.impl = rope_store_kv
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.layers import Attention, Linear, RMSNorm, RopeStoreKV, SiluAndMul
+from nanoserve.quantization import quantize
 
 
 def head_dim_of(cfg) -> int:
@@ -140,7 +141,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel):
+    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str] = None):
         super().__init__()
         self.tp = tp
         self.num_heads = cfg.num_attention_heads
@@ -154,9 +155,9 @@ class LlamaAttention(nn.Module):
             qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = getattr(cfg, "attention_bias", False)
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, quantization)
         # Row-parallel: each rank multiplies its heads' columns; rank 0 alone adds the bias.
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias and tp.rank == 0)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias and tp.rank == 0, quantization)
         self.qk_norm = cfg.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -179,14 +180,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel):
+    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str] = None):
         super().__init__()
         self.tp = tp
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the Llama family uses 'silu')")
         bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias and tp.rank == 0)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias, quantization)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias and tp.rank == 0, quantization)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -195,12 +196,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel):
+    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, tp, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp, quantization)
 
     def forward(self, rope, hidden: Tensor, residual: Optional[Tensor], kv_cache,
                 attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -217,25 +218,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel):
+    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str] = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings,
                                           rope_parameters(cfg))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, quantization)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """`tp`: this rank's place in a tensor-parallel group; its modules get `shard_for_tp`'s
-    shapes and `load_weights` reads only this rank's slice of each checkpoint tensor."""
+    shapes and `load_weights` reads only this rank's slice of each checkpoint tensor.
+    `quantization` ('int8', 'fp8', quantization.py): the layers' Linears hold quantized weights,
+    which `load_weights` fills by quantizing each slice as it reads it; the LM head does not."""
 
-    def __init__(self, hf_config, tp: TensorParallel = SINGLE):
+    def __init__(self, hf_config, tp: TensorParallel = SINGLE, quantization: Optional[str] = None):
         super().__init__()
         self.config, self.tp = hf_config, tp
         self.shard_config = shard = shard_for_tp(hf_config, tp.size)
         self.vocab_range = tp.shard(hf_config.vocab_size)   # this rank's rows of the vocabulary
-        self.model = LlamaModel(shard, tp)
+        self.model = LlamaModel(shard, tp, quantization)
         self.lm_head = Linear(hf_config.hidden_size, shard.vocab_size, bias=False)
         self.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
         if self.tie_word_embeddings:
@@ -344,9 +348,12 @@ class LlamaForCausalLM(nn.Module):
         tied to the embedding, and on ranks other than 0 the row-parallel biases (rank 0 adds
         them once). A name we do not know, a shape that does not match, or a weight the
         checkpoint lacks raises ValueError naming the weight.
+        A quantized Linear's part is quantized as it is read (its rows' scales beside it): only
+        one full-precision tensor is ever in memory, never the model.
         """
         targets = self._checkpoint_targets()
         missing = set(targets)
+        quantized = {id(m.weight): m for m in self.modules() if isinstance(m, Linear) and m.quantization}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -364,7 +371,13 @@ class LlamaForCausalLM(nn.Module):
             shape = list(tensor.shape if isinstance(tensor, Tensor) else tensor.get_shape())
             if shape != expected:
                 raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
-            dest.copy_(tensor[part])
+            if id(param) in quantized:
+                linear = quantized[id(param)]
+                q, scale = quantize(tensor[part], linear.quantization)
+                dest.copy_(q)
+                linear.weight_scale[rows].copy_(scale)
+            else:
+                dest.copy_(tensor[part])
             missing.discard(name)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")

@@ -91,7 +91,8 @@ def matmul_peak(runner) -> tuple[float, str]:
     shapes = {tuple(map(int, label.split()[0].split("x"))) for label in runner.gemm_paths}
     head_rows = -(-runner.vocab_size // runner.config.tensor_parallel_size)
     shapes = [(i, o) for i, o in shapes if o != head_rows] or list(shapes)
-    return gemm_peak(path, runner.dtype, shapes, device=runner.device.type), path
+    quantization = runner.config.quantization   # the layers' paths multiply quantized weights
+    return gemm_peak(path, runner.dtype, shapes, device=runner.device.type, quantization=quantization), path
 
 
 def cpu_description() -> str:

@@ -27,6 +27,10 @@ KV heads (at least one), as vLLM and the engine's own --tensor-parallel-size sha
 With --data-parallel-size D every figure is still per rank: each of the D engine cores holds a
 whole copy (its weights and a KV pool of its own, on its own TP GPUs), and the last row says
 what the D of them hold together.
+
+With --quantization int8|fp8 the weights are the engine's quantized modules' bytes (1 byte a
+weight of every Linear but the LM head, plus a float32 scale per output row), and the table says
+how many more KV blocks that leaves than the model dtype's weights.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from nanoserve.model_loader import (CPU_KV_CACHE_GB, KV_BLOCKS_CAP_FACTOR,
                                     kv_cache_memory_budget, max_len_of, max_useful_kv_blocks,
                                     num_blocks_for_memory, resolve_dtype, resolve_model_path,
                                     safetensors_files)
+from nanoserve.quantization import quantized_weight_bytes
 
 GiB = 2**30
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -61,6 +66,7 @@ KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfl
 class MemoryReport:
     model: str
     dtype: torch.dtype
+    quantization: Optional[str]      # None, "int8" or "fp8": the Linears' weights (quantization.py)
     kv_cache_dtype: torch.dtype
     tensor_parallel_size: int
     num_params: int
@@ -160,11 +166,13 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                   gpu_memory_utilization: float = 0.9, max_model_len: Optional[int] = None,
                   dtype: str = "auto", kv_cache_dtype: str = "auto", block_size: int = 16,
                   tensor_parallel_size: int = 1, kv_cache_memory_gb: Optional[float] = None,
-                  activation_reserve_gb: Optional[float] = None, max_num_batched_tokens: int = 2048,
-                  max_num_seqs: int = 64, data_parallel_size: int = 1) -> MemoryReport:
+                  activation_reserve_gb: Optional[float] = None,
+                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
+                  data_parallel_size: int = 1, quantization: Optional[str] = None) -> MemoryReport:
     """Size the KV pool exactly as the engine would for these settings (see the module doc)."""
     # Config checks what the engine checks (block_size, gpu_memory_utilization, dtype, ...).
     config = Config(model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+                    quantization=quantization,
                     kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
                     gpu_memory_utilization=gpu_memory_utilization,
                     max_num_batched_tokens=max_num_batched_tokens)
@@ -177,13 +185,9 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                                 hf_config)
     kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
 
-    with torch.device("meta"):         # the engine's own modules, shapes only: no memory
-        meta = get_model_class(hf_config)(hf_config)
-    num_params = checkpoint and checkpoint_num_params(checkpoint, meta.tie_word_embeddings)
-    params_from = "safetensors headers" if num_params else "config.json"
-    num_params = num_params or sum(p.numel() for p in meta.parameters())
-    buffer_bytes = sum(b.numel() * b.element_size() for b in meta.buffers())
-    weight_bytes = (num_params * model_dtype.itemsize + buffer_bytes) / tp
+    meta, num_params, params_from, buffer_bytes, weight_bytes = _weights(
+        hf_config, checkpoint, model_dtype, quantization)
+    weight_bytes /= tp
     shard = shard_for_tp(hf_config, tp)
 
     # The engine's rule (ModelRunner._num_kv_blocks): a given pool size, or without a GPU a fixed
@@ -207,7 +211,8 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
         cap = max_useful_kv_blocks(max_num_seqs, resolved.max_model_len, block_size)
     num_blocks = max(0, min(num_blocks_for_memory(kv_budget, shard, kv_dtype, block_size), cap))
     return MemoryReport(
-        model=model, dtype=model_dtype, kv_cache_dtype=kv_dtype, tensor_parallel_size=tp,
+        model=model, dtype=model_dtype, quantization=quantization, kv_cache_dtype=kv_dtype,
+        tensor_parallel_size=tp,
         num_params=num_params, params_from=params_from, buffer_bytes=buffer_bytes,
         weight_bytes=weight_bytes, device_bytes=device_bytes,
         gpu_memory_utilization=gpu_memory_utilization, activation_bytes=activation_bytes,
@@ -216,6 +221,22 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
         head_dim=head_dim_of(shard), data_parallel_size=data_parallel_size,
         kv_bytes_per_token=kv_cache_bytes_per_token(shard, kv_dtype), block_size=block_size,
         num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs)
+
+
+def _weights(hf_config, checkpoint: Optional[Path], dtype: torch.dtype, quantization: Optional[str]):
+    """(meta model, parameters, where they were counted, RoPE table bytes, weight bytes of the
+    whole model). Quantized: the engine's own modules built with the quantization on the "meta"
+    device (shapes and dtypes, no memory) say which weights are 1 byte and what their scales take."""
+    with torch.device("meta"):         # the engine's own modules, shapes only: no memory
+        meta = get_model_class(hf_config)(hf_config)
+        quantized = quantization and get_model_class(hf_config)(hf_config, quantization=quantization)
+    num_params = checkpoint and checkpoint_num_params(checkpoint, meta.tie_word_embeddings)
+    params_from = "safetensors headers" if num_params else "config.json"
+    num_params = num_params or sum(p.numel() for p in meta.parameters())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in meta.buffers())
+    weight_bytes = (quantized_weight_bytes(quantized, dtype) if quantized
+                    else num_params * dtype.itemsize)
+    return meta, num_params, params_from, buffer_bytes, weight_bytes + buffer_bytes
 
 
 def verdict(r: MemoryReport) -> str:
@@ -232,7 +253,10 @@ def verdict(r: MemoryReport) -> str:
     return f"fits: {r.num_seqs} sequences of max_model_len {r.max_model_len} at once"
 
 
-def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
+def print_report(r: MemoryReport, console: Optional[Console] = None,
+                 unquantized: Optional[MemoryReport] = None) -> None:
+    """The table and the verdict; `unquantized`: the same settings without quantization, for the
+    KV blocks that quantizing frees."""
     tp = r.tensor_parallel_size
     per_gpu = f" per GPU (TP {tp}: weights and KV heads split {tp} ways)" if tp > 1 else ""
     per_gpu += f", per rank (DP {r.data_parallel_size})" if r.data_parallel_size > 1 else ""
@@ -250,8 +274,10 @@ def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
     rows = [
         ("device", *device),
         ("weights", _gib(r.weight_bytes),
-         f"{r.num_params:,} params x {item} bytes ({str(r.dtype)[6:]}, from {r.params_from})"
-         f" + {r.buffer_bytes / 2**20:.1f} MiB RoPE tables" + (f", / {tp} GPUs" if tp > 1 else "")),
+         (f"{r.num_params:,} params x {item} bytes ({str(r.dtype)[6:]}, from {r.params_from})"
+          if r.quantization is None else f"{r.num_params:,} params: the Linears' {r.quantization} (1 "
+          f"byte + a float32 scale per row), embedding and LM head {str(r.dtype)[6:]}")
+         + f" + {r.buffer_bytes / 2**20:.1f} MiB RoPE tables" + (f", / {tp} GPUs" if tp > 1 else "")),
         ("activation reserve", _gib(r.activation_bytes), r.activation_from),
         ("KV cache budget", _gib(r.kv_budget_bytes), r.kv_budget_from),
         ("KV bytes / token", f"{r.kv_bytes_per_token:,}",
@@ -273,6 +299,10 @@ def print_report(r: MemoryReport, console: Optional[Console] = None) -> None:
                      f"each rank holds all of the above; together {_gib(dp * r.weight_bytes * tp)}"
                      f" of weights, {dp * r.num_blocks * r.block_size:,} tokens, "
                      f"{dp * r.num_seqs:,} sequences of max_model_len"))
+    if unquantized is not None:
+        rows.insert(2, ("KV blocks freed", f"{r.num_blocks - unquantized.num_blocks:+,}",
+                        f"vs {str(r.dtype)[6:]} weights ({_gib(unquantized.weight_bytes)}: "
+                        f"{unquantized.num_blocks:,} blocks)"))
     for row in rows:
         table.add_row(*row)
     console = console or Console()
@@ -313,7 +343,8 @@ def plot_memory(r: MemoryReport, path: str) -> None:
 
 def main(plot: Optional[str] = None, **kwargs) -> None:
     report = memory_report(**kwargs)
-    print_report(report)
+    unquantized = memory_report(**{**kwargs, "quantization": None}) if report.quantization else None
+    print_report(report, unquantized=unquantized)
     if plot:
         plot_memory(report, plot)
         print(f"wrote {plot}")

@@ -81,6 +81,7 @@ static inline int64_t slot_of(const Seq *s, int p) {
 #include <immintrin.h>   /* a few AVX-512 intrinsics where vector extensions have no equivalent */
 #elif defined(__AVX__)
 #define LANES 8
+#include <immintrin.h>   /* gemm.c's int8 widening (AVX2) */
 #else
 #define LANES 4
 #endif

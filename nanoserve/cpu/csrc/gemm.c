@@ -219,6 +219,224 @@ static void normalise_rows(const void *x, void *residual, const void *norm_weigh
     }
 }
 
+/* int8 weights (`--quantization int8`) are packed as a float32 weight is, one byte an element:
+   packed[p][k][j]; for bf16 x on a CPU with AVX512-BF16, as a bf16 weight is, in k-pairs:
+   packed[p][k / 2][j][k % 2] (`pairs`, K padded to even). Two forms multiply them, the faster
+   one chosen by the row count (gemm_int8):
+   - few rows, in registers: each panel's bytes widened as they are loaded, into float32 lanes
+     for float32 FMAs with x's rows widened to float32 (tile_int8), or, in pairs, into bf16
+     pairs for AVX512-BF16's pair products with x's bf16 pairs (tile_int8_pairs: exact, |q| <=
+     127 fits bf16's 8 bits). A decode step streams the weight once, and reading 1 byte instead
+     of 2 is the gain;
+   - more rows, a widened panel: each work item first widens its panel into the thread's scratch
+     (L2-sized) in the layout of x's dtype, whose tiles then run as that dtype's (bf16: AVX512-BF16
+     pairs), so the widening is paid once per 64 rows, not per row tile.
+   Either way the sums are of x . q; the column's scale and its bias make them x . W + b. */
+/* LANES int8 values as float32 lanes. GCC 12 turns __builtin_convertvector from int8 into a scalar
+   loop, so AVX-512 and AVX2 name their sign-extend and convert. */
+static inline vfloat widen_bytes(const int8_t *p) {
+#if LANES == 16
+    return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif LANES == 8 && defined(__AVX2__)
+    return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vfloat v;
+    for (int i = 0; i < LANES; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) void
+tile_int8(const float *a, const int8_t *panel, float sums[MR][PANEL], int K, const int m, const int8_t *next) {
+    vfloat acc[MR][NV] = {};
+#pragma GCC unroll 4
+    for (int k = 0; k < K; k++) {
+        vfloat w[NV];
+        if (next) __builtin_prefetch(next + (int64_t)k * PANEL, 0, 2);   /* the weight's stream runs ahead */
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; j++) w[j] = widen_bytes(panel + (int64_t)k * PANEL + j * LANES);
+#pragma GCC unroll 8
+        for (int i = 0; i < m; i++) {
+            const vfloat v = broadcast(a[(int64_t)k * MR + i]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) acc[i][j] += v * w[j];
+        }
+    }
+    memcpy(sums, acc, sizeof(float) * m * PANEL);
+}
+
+#ifdef DPBF16
+#define INT8_PAIRS 1
+/* 32 bytes, the (k, k + 1) bytes of 16 columns, as AVX512-BF16's 16 bf16 pairs: the first 16
+   bytes (columns 0-7) widen to the low half of the result, the next 16 to the high half. */
+static inline __m512bh widen_pairs(const int8_t *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __attribute__((always_inline)) void
+tile_int8_pairs(const uint32_t *a, const int8_t *panel, float sums[MR][PANEL], int K, const int m,
+                const int8_t *next) {
+    __m512 acc[MR][NV];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int k2 = 0; k2 < (K + 1) / 2; k2++) {
+        __m512bh w[NV];
+        if (next) __builtin_prefetch(next + (int64_t)k2 * 2 * PANEL, 0, 2);
+        for (int j = 0; j < NV; j++) w[j] = widen_pairs(panel + ((int64_t)k2 * PANEL + j * LANES) * 2);
+#pragma GCC unroll 8
+        for (int i = 0; i < m; i++) {
+            const __m512i v = _mm512_set1_epi32((int)a[(int64_t)k2 * MR + i]);
+#pragma GCC unroll 4
+            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)v, w[j]);
+        }
+    }
+    memcpy(sums, acc, sizeof(float) * m * PANEL);
+}
+#define TILE_INT8(m) (pairs ? tile_int8_pairs(a, panel, sums, K, m, next) : tile_int8(a, panel, sums, K, m, next))
+#else
+#define INT8_PAIRS 0
+#define TILE_INT8(m) tile_int8(a, panel, sums, K, m, next)
+#endif
+
+int gemm_int8_pairs(void) { return INT8_PAIRS; }   /* whether bf16 x takes int8 weights in k-pairs */
+
+/* a: x's row tile (float32 k by k, or in pairs bf16 pairs as pack_rows lays them out). */
+static inline void tile_int8_rows(const void *a, const int8_t *panel, float sums[MR][PANEL], int K, int m,
+                                  const int8_t *next, int pairs) {
+    (void)pairs;
+    switch (m) {   /* one copy of the tile per row count, each with its loops unrolled */
+#if MR == 8
+    case 8: TILE_INT8(8); break;
+    case 7: TILE_INT8(7); break;
+    case 6: TILE_INT8(6); break;
+    case 5: TILE_INT8(5); break;
+#endif
+    case 4: TILE_INT8(4); break;
+    case 3: TILE_INT8(3); break;
+    case 2: TILE_INT8(2); break;
+    default: TILE_INT8(1); break;
+    }
+}
+
+/* x's rows of tile t as float32 (widened from bf16), k by k, as pack_rows lays out float32 rows. */
+static void pack_rows_f32(const void *x, float *xp, int M, int K, int bf16, int t) {
+    float *dst = xp + (int64_t)t * MR * K;
+    const int rows = M - t * MR < MR ? M - t * MR : MR;
+    if (rows < MR) memset(dst, 0, sizeof(float) * MR * K);
+    for (int k = 0; k < K; k++)
+        for (int i = 0; i < rows; i++) dst[(int64_t)k * MR + i] = value_at(x, (int64_t)(t * MR + i) * K + k, bf16);
+}
+
+/* An int8 panel [k][j] (pairs: [k / 2][j][k % 2]) widened into `out` in the layout of x's dtype:
+   float32 [k][j], or bf16 pairs [k / 2][j][k % 2] (an odd K's last pair beside a zero). Exact:
+   |q| <= 127 needs 8 bits of mantissa. */
+static void widen_panel(const int8_t *panel, void *out, int K, int bf16, int pairs) {
+    if (pairs) {   /* already in bf16's layout: each byte in place */
+        uint16_t *o = out;
+        for (int64_t i = 0; i < (int64_t)(K + 1) / 2 * 2 * PANEL; i++) {
+            const float v = panel[i];
+            uint32_t bits;
+            memcpy(&bits, &v, 4);
+            o[i] = bits >> 16;
+        }
+        return;
+    }
+    if (!bf16) {
+        float *o = out;
+        for (int64_t i = 0; i < (int64_t)K * PANEL; i++) o[i] = panel[i];
+        return;
+    }
+    uint16_t *o = out;
+    for (int k = 0; k < K; k++)
+        for (int j = 0; j < PANEL; j++) {
+            const float v = panel[(int64_t)k * PANEL + j];
+            uint32_t bits;
+            memcpy(&bits, &v, 4);
+            o[((int64_t)(k / 2) * PANEL + j) * 2 + k % 2] = bits >> 16;
+        }
+    if (K % 2)
+        for (int j = 0; j < PANEL; j++) o[((int64_t)(K / 2) * PANEL + j) * 2 + 1] = 0;
+}
+
+/* sums of x . q -> x . W + b: each column's scale, then its bias. */
+static inline void rescale(float sums[MR][PANEL], int m, const float *scale, const float *bias) {
+    for (int i = 0; i < m; i++)
+        for (int n = 0; n < PANEL; n++) sums[i][n] = sums[i][n] * scale[n] + bias[n];
+}
+
+/* One (row block, panel) work item of gemm_int8's product (the comment above says which form). */
+static void int8_panel(const void *xp, const int8_t *panel, const int8_t *next, void *scratch,
+                       const float *scale, const float *bias, void *y, int M, int N, int K, int bf16,
+                       int silu_and_mul, int block, int columns, int in_registers, int pairs) {
+    static const float zeros[PANEL];
+    const int units = bf16 ? (K + 1) / 2 : K, end = (block + 1) * ROW_BLOCK < M ? (block + 1) * ROW_BLOCK : M;
+    const int x_units = in_registers && !pairs ? K : units;   /* x's tiles: float32 unless in pairs */
+    if (!in_registers) widen_panel(panel, scratch, K, bf16, pairs);
+    for (int r = block * ROW_BLOCK; r < end; r += MR) {
+        const int m = end - r < MR ? end - r : MR;
+        void *c = (char *)y + (int64_t)r * N * (bf16 ? 2 : 4);   /* y: this panel's first column */
+        float sums[MR][PANEL];
+        if (in_registers)
+            tile_int8_rows((const uint32_t *)xp + (int64_t)(r / MR) * MR * x_units, panel, sums, K, m, next, pairs);
+        else if (bf16) tile_rows((const uint32_t *)xp + (int64_t)(r / MR) * MR * units, scratch, zeros, sums, K, m, 1, NULL, 0, 1);
+        else tile_rows((const uint32_t *)xp + (int64_t)(r / MR) * MR * units, scratch, zeros, sums, K, m, 0, NULL, 0, 1);
+        rescale(sums, m, scale, bias);
+        if (bf16) store_tile(sums, m, c, N, columns, 1, silu_and_mul);
+        else store_tile(sums, m, c, N, columns, 0, silu_and_mul);
+    }
+}
+
+/* gemm's product on an int8 weight: packed as above, scales and bias float32 per packed column,
+   padded as gemm's bias. Up to `register_rows` rows in registers, above them on widened panels
+   (cpu/gemm.py measures where the second starts to win on this CPU). x, y, the norm and
+   silu_and_mul as gemm's. y = (x . q) x scale + bias, summed in float32. Returns 0, or 1 when out
+   of memory. */
+int gemm_int8(const void *x, void *residual, const void *norm_weight, float eps, const int8_t *packed,
+              const float *bias, void *y, int M, int N, int K, int bf16, int silu_and_mul,
+              const float *scales, int register_rows, int num_threads) {
+    const int width = silu_and_mul ? PANEL / 2 : PANEL, in_registers = M <= register_rows;
+    const int pairs = bf16 && INT8_PAIRS, panel_bytes = pairs ? (K + 1) / 2 * 2 * PANEL : K * PANEL;
+    const int panels = (N + width - 1) / width, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int units = bf16 && (pairs || !in_registers) ? (K + 1) / 2 : K, row_tiles = (M + MR - 1) / MR;
+    const int64_t size = bf16 ? 2 : 4;
+    uint32_t *xp = malloc(sizeof(uint32_t) * ((size_t)row_tiles * MR * units + 1));   /* + 1: M = 0 */
+    char *normed = norm_weight ? malloc((size_t)M * K * size + 1) : NULL;
+    int failed = 0;
+    if (!xp || (norm_weight && !normed)) { free(xp); free(normed); return 1; }
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int t = 0; t < row_tiles; t++) {
+            if (normed)
+                normalise_rows(x, residual, norm_weight, normed, t * MR, (t + 1) * MR, M, K, eps, bf16);
+            if (in_registers && !pairs) pack_rows_f32(normed ? normed : x, (float *)xp, M, K, bf16, t);
+            else pack_rows(normed ? normed : x, xp, M, K, units, bf16, t);
+        }
+        void *scratch = in_registers ? NULL : malloc((size_t)(K + 1) * PANEL * size);
+        if (!in_registers && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int block = 0; block < blocks; block++)
+            for (int p = 0; p < panels; p++) {
+                if (!in_registers && !scratch) continue;
+                const int8_t *panel = packed + (int64_t)p * panel_bytes;
+                const int columns = N - p * width < width ? N - p * width : width;
+                int8_panel(xp, panel, p + 1 < panels ? panel + panel_bytes : NULL, scratch,
+                           scales + p * PANEL, bias + p * PANEL, (char *)y + (int64_t)p * width * size,
+                           M, N, K, bf16, silu_and_mul, block, columns, in_registers, pairs);
+            }
+        free(scratch);
+    }
+    free(xp);
+    free(normed);
+    return failed;
+}
+
 /* x: M x K and y: M x N, contiguous; bias: float32, padded to whole panels (zeros if none).
    norm_weight (or NULL): the product is of RMSNorm(x + residual) with that weight and eps, as
    rms_norm.c computes it (residual, if not NULL, updated in place to x + residual), each tile's
