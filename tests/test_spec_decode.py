@@ -338,24 +338,36 @@ def test_trace_replay_with_drafts_equals_the_live_state(monkeypatch, tmp_path):
 
 
 def test_metrics_name_the_counters_as_vllm_does():
-    """/metrics: the per-position counter is one sample per position, labelled `position`."""
+    """/metrics: the per-position counter is one sample per engine and position, labelled
+    `engine` and `position`; the summed stats add the ranks position by position."""
     from types import SimpleNamespace
 
     from prometheus_client import CollectorRegistry, generate_latest
 
     from nanoserve.api import OpenAIServer
-    stats = {"spec_decode_num_drafts_total": 3, "spec_decode_num_draft_tokens_total": 12,
-             "spec_decode_num_accepted_tokens_total": 7,
-             "spec_decode_num_accepted_tokens_per_pos_total": [3, 2, 1, 1]}
-    server = SimpleNamespace(engine=SimpleNamespace(get_stats=lambda: stats))
+    from nanoserve.engine import sum_over_ranks
+    ranks = [{"spec_decode_num_drafts_total": 3, "spec_decode_num_draft_tokens_total": 12,
+              "spec_decode_num_accepted_tokens_total": 7,
+              "spec_decode_num_accepted_tokens_per_pos_total": [3, 2, 1, 1]},
+             {"spec_decode_num_drafts_total": 1, "spec_decode_num_draft_tokens_total": 4,
+              "spec_decode_num_accepted_tokens_total": 1,
+              "spec_decode_num_accepted_tokens_per_pos_total": [1, 0, 0, 0]}]
+    summed = {name: sum_over_ranks([r[name] for r in ranks])
+              for name in ranks[0]}
+    assert summed["spec_decode_num_accepted_tokens_per_pos_total"] == [4, 2, 1, 1]
+    server = SimpleNamespace(engine=SimpleNamespace(get_stats=lambda: summed, engine_stats=ranks))
+
     class Collector:
         def collect(self):
             return OpenAIServer.collect(server)
     registry = CollectorRegistry()
     registry.register(Collector())
     text = generate_latest(registry).decode()
-    assert "nanoserve:spec_decode_num_draft_tokens_total 12.0" in text
-    assert 'nanoserve:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0' in text
+    assert 'nanoserve:spec_decode_num_draft_tokens_total{engine="0"} 12.0' in text
+    assert ('nanoserve:spec_decode_num_accepted_tokens_per_pos_total{engine="1",position="0"} 1.0'
+            in text)
+    assert ('nanoserve:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 2.0'
+            in text)
 
 
 def test_disable_by_batch_size_drafts_only_for_small_batches():
