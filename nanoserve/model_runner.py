@@ -205,9 +205,10 @@ class ModelRunner:
             num_scheduled, num_computed, block_tables, self.block_size)
         samples = [c + n == req.num_tokens + k for req, n, c, k in
                    zip(out.requests, out.num_scheduled_tokens, out.num_computed_tokens, num_drafts)]
-        logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
-        if spec:
+        if spec:       # k + 1 rows for a request with k drafts
             logits_indices = verified_positions(query_start_loc, samples, num_drafts)
+        else:          # the last token of each request that samples
+            logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
         to = dict(device=self.device, non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(**to), block_tables=block_tables.to(**to),
