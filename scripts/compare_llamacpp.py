@@ -19,6 +19,9 @@ GPT-2's byte-level regex, but the converter knows pre-tokenizers only by a hash 
 a test string, and this tokenizer's hash is not in its list: the converter's own code then runs
 with that one method (TextModel.get_vocab_base_pre) falling back to "gpt-2" instead of raising,
 and the table says so. Tokenization is in none of the timed figures (token ids in, ids out).
+Checked once by hand (llama-cpp-python's bindings on the same build): from one prompt, llama.cpp
+on the F32 and BF16 files writes the same 16 greedy token ids as nanoserve in float32 and bfloat16;
+Q8_0 and int8, two different quantizations, part at the 6th token.
 
 The shapes, the same in both engines (token ids random, greedy, ignore_eos):
 - batch-1 decode: `llama-bench -n 128 -p 0` runs 128 single-token steps; nanoserve runs a
