@@ -81,7 +81,8 @@ def assert_close_to_reference(y, x, q, scale, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(64, 128), (96, 50), (67, 200)])   # (in, out): ragged panels too
+@pytest.mark.parametrize("shape", [(64, 128), (96, 50), (67, 200), (1101, 40)])   # (in, out): ragged
+# panels, an odd count of inputs, and over 512 (the integer form's sums move to float32 on the way)
 def test_every_quantized_path_equals_dequantize_then_linear(dtype, shape):
     gen = torch.Generator().manual_seed(0)
     in_features, out_features = shape
@@ -94,6 +95,21 @@ def test_every_quantized_path_equals_dequantize_then_linear(dtype, shape):
             assert_close_to_reference(gemm.product(x), x, q, scale, None, dtype)
     assert {"torch", "fp8-widen"} <= names
     assert cpu_kernels.load() is None or {"kernel-registers", "kernel-panels"} <= names
+
+
+@needs_kernels
+def test_int8_integer_products_cannot_overflow():
+    """bf16 x in registers multiplies as int16 x int8 into int32 sums (gemm.c's integer form). The
+    worst case, every x at the largest int16 its row takes and every q at 127, over 2,048 inputs,
+    is 4x what an int32 holds: the sums must move to float32 in time (PAIRS_PER_SUM)."""
+    k = 2048
+    weight = torch.ones(40, k)
+    weight[1::2] *= -1                                      # the other sign too
+    q, scale = quantize(weight, "int8")
+    x = torch.full((3, k), 1.9921875, dtype=torch.bfloat16)  # 1 + 127/128: 32,640 as int16
+    x[1] *= -1
+    gemm = Int8KernelGemm(q, scale, None, torch.bfloat16, register_rows=1 << 30)
+    assert_close_to_reference(gemm.product(x), x, q, scale, None, torch.bfloat16)
 
 
 @needs_kernels

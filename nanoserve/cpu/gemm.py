@@ -150,9 +150,9 @@ class Int8KernelGemm(KernelGemm):
                  silu_and_mul: bool = False, register_rows: Optional[int] = None):
         if dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeError("the C int8 GEMM takes float32 or bf16 activations")
-        self.dtype, pairs = dtype, dtype == torch.bfloat16 and bool(cpu_kernels.load().gemm_int8_pairs())
+        self.dtype = dtype
         self.packed, self.scales, self.bias, row_order = cpu_kernels.gemm_pack_int8(
-            weight.detach(), scale, bias, silu_and_mul, pairs)
+            weight.detach(), scale, bias, silu_and_mul, pairs=dtype == torch.bfloat16)
         self._finish(weight.shape, row_order, silu_and_mul)
         self.register_rows = register_rows if register_rows is not None else int8_register_rows(
             *weight.shape, dtype, silu_and_mul)

@@ -125,8 +125,7 @@ def load():
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     kernels.gemm.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
                              + [ctypes.c_int] * 6)
-    kernels.gemm_int8.restype = kernels.gemm_int8_pairs.restype = ctypes.c_int
-    kernels.gemm_int8_pairs.argtypes = []
+    kernels.gemm_int8.restype = ctypes.c_int
     kernels.gemm_int8.argtypes = kernels.gemm.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
@@ -251,7 +250,7 @@ def gemm_pack(weight: Tensor, bias: Optional[Tensor],
 def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False,
                    pairs: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """gemm_pack's layout for an int8 weight [out, in] (quantization.py), one byte an element:
-    float32's, or with `pairs` bf16's k-pairs (for bf16 x where gemm_int8_pairs(): AVX512-BF16).
+    float32's, or with `pairs` (for bf16 x) bf16's k-pairs.
     gemm.c's gemm_int8 widens it in registers, or a panel at a time. Returns (packed, scales and
     bias in float32 padded to whole panels, row order)."""
     if load() is None or weight.dtype != torch.int8:

@@ -220,18 +220,25 @@ static void normalise_rows(const void *x, void *residual, const void *norm_weigh
 }
 
 /* int8 weights (`--quantization int8`) are packed as a float32 weight is, one byte an element:
-   packed[p][k][j]; for bf16 x on a CPU with AVX512-BF16, as a bf16 weight is, in k-pairs:
-   packed[p][k / 2][j][k % 2] (`pairs`, K padded to even). Two forms multiply them, the faster
-   one chosen by the row count (gemm_int8):
-   - few rows, in registers: each panel's bytes widened as they are loaded, into float32 lanes
-     for float32 FMAs with x's rows widened to float32 (tile_int8), or, in pairs, into bf16
-     pairs for AVX512-BF16's pair products with x's bf16 pairs (tile_int8_pairs: exact, |q| <=
-     127 fits bf16's 8 bits). A decode step streams the weight once, and reading 1 byte instead
-     of 2 is the gain;
+   packed[p][k][j]; for bf16 x, as a bf16 weight is, in k-pairs: packed[p][k / 2][j][k % 2] (K
+   padded to even). Two forms multiply them, the faster one chosen by the row count (gemm_int8):
+   - few rows, in registers: each panel's bytes widened as they are loaded, so a decode step
+     streams the weight once, reading 1 byte where bf16 reads 2.
+     float32 x: the bytes widened to float32 lanes for float32 FMAs (tile_int8).
+     bf16 x: integer products (tile_int16). Each row of x is first scaled by a power of two into
+     int16 (pack_rows_int16: exact for every value within 2^7 of the row's largest, as a bf16
+     value holds 8 significant bits; smaller ones rounded at 2^-16 of it, far below the error of
+     the bf16 product itself). A k-pair of a row then meets 16 columns' k-pairs of bytes, widened
+     to int16 by ONE instruction, in one multiply-add of int16 pairs into int32 lanes (AVX512-VNNI
+     vpdpwssd; vpmaddwd + vpaddd on AVX2). Why: the widening to bf16 or float32 this replaced took
+     six instructions per 32 weights and held a decode step to ~8 GB/s a core, short of memory's
+     speed. The int32 sums are exact, and go to float32 every PAIRS_PER_SUM pairs, before they can
+     overflow;
    - more rows, a widened panel: each work item first widens its panel into the thread's scratch
-     (L2-sized) in the layout of x's dtype, whose tiles then run as that dtype's (bf16: AVX512-BF16
-     pairs), so the widening is paid once per 64 rows, not per row tile.
-   Either way the sums are of x . q; the column's scale and its bias make them x . W + b. */
+     (L2-sized) in the layout of x's dtype, whose tiles then run as that dtype's (bf16: pairs), so
+     the widening is paid once per 64 rows, not per row tile.
+   Either way the sums are of x . q; the column's scale (and the row's power of two) and the
+   bias make them x . W + b. */
 /* LANES int8 values as float32 lanes. GCC 12 turns __builtin_convertvector from int8 into a scalar
    loop, so AVX-512 and AVX2 name their sign-extend and convert. */
 static inline vfloat widen_bytes(const int8_t *p) {
@@ -265,48 +272,101 @@ tile_int8(const float *a, const int8_t *panel, float sums[MR][PANEL], int K, con
     memcpy(sums, acc, sizeof(float) * m * PANEL);
 }
 
-#ifdef DPBF16
-#define INT8_PAIRS 1
-/* 32 bytes, the (k, k + 1) bytes of 16 columns, as AVX512-BF16's 16 bf16 pairs: the first 16
-   bytes (columns 0-7) widen to the low half of the result, the next 16 to the high half. */
-static inline __m512bh widen_pairs(const int8_t *p) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+/* The integer form's two instructions: 2 x LANES bytes (the k-pairs of LANES columns) as int16,
+   and acc + the sums of each lane's two int16 products. */
+#if LANES == 16 && defined(__AVX512BW__)
+#define INT16_PRODUCTS 1
+static inline vint32 widen_pair_bytes(const int8_t *p) {
+    return (vint32)_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline vint32 add_pair_products(vint32 acc, vint32 x, vint32 w) {
+#ifdef __AVX512VNNI__
+    return (vint32)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)x, (__m512i)w);
+#else
+    return acc + (vint32)_mm512_madd_epi16((__m512i)x, (__m512i)w);
+#endif
+}
+#elif LANES == 8 && defined(__AVX2__)
+#define INT16_PRODUCTS 1
+static inline vint32 widen_pair_bytes(const int8_t *p) {
+    return (vint32)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vint32 add_pair_products(vint32 acc, vint32 x, vint32 w) {
+#ifdef __AVXVNNI__
+    return (vint32)_mm256_dpwssd_avx_epi32((__m256i)acc, (__m256i)x, (__m256i)w);
+#else
+    return acc + (vint32)_mm256_madd_epi16((__m256i)x, (__m256i)w);
+#endif
+}
+#else
+#define INT16_PRODUCTS 0   /* bf16 x on int8 weights: the widened-panel form alone */
+#endif
+
+#if INT16_PRODUCTS
+#define PAIRS_PER_SUM 256   /* 256 pairs x 2 x 32640 x 127 < 2^31: the int32 sums cannot overflow */
+/* a: the row tile's int16 k-pairs, one uint32 each (pack_rows_int16). */
+static inline __attribute__((always_inline)) void
+tile_int16(const uint32_t *a, const int8_t *panel, float sums[MR][PANEL], int K, const int m,
+           const int8_t *next) {
+    const int pairs = (K + 1) / 2;
+    memset(sums, 0, sizeof(float) * MR * PANEL);
+    for (int first = 0; first < pairs; first += PAIRS_PER_SUM) {
+        const int end = first + PAIRS_PER_SUM < pairs ? first + PAIRS_PER_SUM : pairs;
+        vint32 acc[MR][NV] = {};
+#pragma GCC unroll 2
+        for (int k2 = first; k2 < end; k2++) {
+            vint32 w[NV];
+            if (next) __builtin_prefetch(next + (int64_t)k2 * 2 * PANEL, 0, 2);
+            for (int j = 0; j < NV; j++) w[j] = widen_pair_bytes(panel + ((int64_t)k2 * PANEL + j * LANES) * 2);
+#pragma GCC unroll 8
+            for (int i = 0; i < m; i++) {
+                const vint32 v = (vint32){} + a[(int64_t)k2 * MR + i];
+#pragma GCC unroll 4
+                for (int j = 0; j < NV; j++) acc[i][j] = add_pair_products(acc[i][j], v, w[j]);
+            }
+        }
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < NV; j++) {
+                vfloat s;
+                memcpy(&s, &sums[i][j * LANES], sizeof s);
+                s += __builtin_convertvector(acc[i][j], vfloat);
+                memcpy(&sums[i][j * LANES], &s, sizeof s);
+            }
+    }
 }
 
-static inline __attribute__((always_inline)) void
-tile_int8_pairs(const uint32_t *a, const int8_t *panel, float sums[MR][PANEL], int K, const int m,
-                const int8_t *next) {
-    __m512 acc[MR][NV];
-    for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NV; j++) acc[i][j] = _mm512_setzero_ps();
-#pragma GCC unroll 2
-    for (int k2 = 0; k2 < (K + 1) / 2; k2++) {
-        __m512bh w[NV];
-        if (next) __builtin_prefetch(next + (int64_t)k2 * 2 * PANEL, 0, 2);
-        for (int j = 0; j < NV; j++) w[j] = widen_pairs(panel + ((int64_t)k2 * PANEL + j * LANES) * 2);
-#pragma GCC unroll 8
-        for (int i = 0; i < m; i++) {
-            const __m512i v = _mm512_set1_epi32((int)a[(int64_t)k2 * MR + i]);
-#pragma GCC unroll 4
-            for (int j = 0; j < NV; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)v, w[j]);
-        }
+/* Tile t's rows of bf16 x as int16 k-pairs (pack_rows' layout), each row times the power of two
+   2^(15 - e) that brings its largest magnitude (< 2^e) into [2^14, 2^15); row_scales[r] = the
+   inverse, by which its sums are multiplied back. Round to nearest even by the 1.5 x 2^23 trick,
+   which vectorises where a call to lrintf would not. Worked example: a row [3.0, -0.5]: largest 3
+   < 2^2, so times 2^13: [24576, -4096], row scale 2^-13. */
+static void pack_rows_int16(const uint16_t *x, uint32_t *xp, float *row_scales, int M, int K, int t) {
+    const int units = (K + 1) / 2, rows = M - t * MR < MR ? M - t * MR : MR;
+    uint32_t *dst = xp + (int64_t)t * MR * units;
+    if (rows < MR) memset(dst, 0, sizeof(uint32_t) * MR * units);
+    for (int i = 0; i < rows; i++) {
+        const uint16_t *row = x + (int64_t)(t * MR + i) * K;
+        float largest = 0.f, values[2 * units];
+        for (int k = 0; k < K; k++) largest = fmaxf(largest, fabsf(bf16_to_f32(row[k])));
+        int e;
+        frexpf(largest, &e);
+        const float up = ldexpf(1.f, 15 - e), magic = 12582912.f;   /* 1.5 x 2^23 */
+        row_scales[t * MR + i] = isfinite(largest) ? ldexpf(1.f, e - 15) : NAN;
+        values[2 * units - 1] = 0.f;   /* an odd K's last pair: x[K - 1] beside a zero */
+        for (int k = 0; k < K; k++) values[k] = (bf16_to_f32(row[k]) * up + magic) - magic;
+        for (int u = 0; u < units; u++)
+            dst[(int64_t)u * MR + i] = (uint16_t)(int16_t)values[2 * u] | (uint32_t)(uint16_t)(int16_t)values[2 * u + 1] << 16;
     }
-    memcpy(sums, acc, sizeof(float) * m * PANEL);
 }
-#define TILE_INT8(m) (pairs ? tile_int8_pairs(a, panel, sums, K, m, next) : tile_int8(a, panel, sums, K, m, next))
+#define TILE_INT8(m) (bf16 ? tile_int16(a, panel, sums, K, m, next) : tile_int8(a, panel, sums, K, m, next))
 #else
-#define INT8_PAIRS 0
 #define TILE_INT8(m) tile_int8(a, panel, sums, K, m, next)
 #endif
 
-int gemm_int8_pairs(void) { return INT8_PAIRS; }   /* whether bf16 x takes int8 weights in k-pairs */
-
-/* a: x's row tile (float32 k by k, or in pairs bf16 pairs as pack_rows lays them out). */
+/* a: x's row tile (float32 k by k, or bf16 x's int16 k-pairs). */
 static inline void tile_int8_rows(const void *a, const int8_t *panel, float sums[MR][PANEL], int K, int m,
-                                  const int8_t *next, int pairs) {
-    (void)pairs;
+                                  const int8_t *next, int bf16) {
+    (void)bf16;
     switch (m) {   /* one copy of the tile per row count, each with its loops unrolled */
 #if MR == 8
     case 8: TILE_INT8(8); break;
@@ -321,99 +381,90 @@ static inline void tile_int8_rows(const void *a, const int8_t *panel, float sums
     }
 }
 
-/* x's rows of tile t as float32 (widened from bf16), k by k, as pack_rows lays out float32 rows. */
-static void pack_rows_f32(const void *x, float *xp, int M, int K, int bf16, int t) {
-    float *dst = xp + (int64_t)t * MR * K;
-    const int rows = M - t * MR < MR ? M - t * MR : MR;
-    if (rows < MR) memset(dst, 0, sizeof(float) * MR * K);
-    for (int k = 0; k < K; k++)
-        for (int i = 0; i < rows; i++) dst[(int64_t)k * MR + i] = value_at(x, (int64_t)(t * MR + i) * K + k, bf16);
-}
-
-/* An int8 panel [k][j] (pairs: [k / 2][j][k % 2]) widened into `out` in the layout of x's dtype:
-   float32 [k][j], or bf16 pairs [k / 2][j][k % 2] (an odd K's last pair beside a zero). Exact:
-   |q| <= 127 needs 8 bits of mantissa. */
-static void widen_panel(const int8_t *panel, void *out, int K, int bf16, int pairs) {
-    if (pairs) {   /* already in bf16's layout: each byte in place */
-        uint16_t *o = out;
-        for (int64_t i = 0; i < (int64_t)(K + 1) / 2 * 2 * PANEL; i++) {
-            const float v = panel[i];
-            uint32_t bits;
-            memcpy(&bits, &v, 4);
-            o[i] = bits >> 16;
-        }
-        return;
-    }
+/* An int8 panel [k][j] (bf16: [k / 2][j][k % 2]) widened into `out` in the layout of x's dtype:
+   float32 [k][j], or bf16 [k / 2][j][k % 2] (an odd K's last pair beside a zero, as packed).
+   Exact: |q| <= 127 needs 8 bits of mantissa. */
+static void widen_panel(const int8_t *panel, void *out, int K, int bf16) {
     if (!bf16) {
         float *o = out;
         for (int64_t i = 0; i < (int64_t)K * PANEL; i++) o[i] = panel[i];
         return;
     }
     uint16_t *o = out;
-    for (int k = 0; k < K; k++)
-        for (int j = 0; j < PANEL; j++) {
-            const float v = panel[(int64_t)k * PANEL + j];
-            uint32_t bits;
-            memcpy(&bits, &v, 4);
-            o[((int64_t)(k / 2) * PANEL + j) * 2 + k % 2] = bits >> 16;
-        }
-    if (K % 2)
-        for (int j = 0; j < PANEL; j++) o[((int64_t)(K / 2) * PANEL + j) * 2 + 1] = 0;
+    for (int64_t i = 0; i < (int64_t)(K + 1) / 2 * 2 * PANEL; i++) {
+        const float v = panel[i];
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        o[i] = bits >> 16;
+    }
 }
 
-/* sums of x . q -> x . W + b: each column's scale, then its bias. */
-static inline void rescale(float sums[MR][PANEL], int m, const float *scale, const float *bias) {
-    for (int i = 0; i < m; i++)
-        for (int n = 0; n < PANEL; n++) sums[i][n] = sums[i][n] * scale[n] + bias[n];
+/* sums of x . q -> x . W + b: each row's power of two (the integer form's; NULL: none), each
+   column's scale, then its bias. */
+static inline void rescale(float sums[MR][PANEL], int m, const float *row_scales, const float *scale,
+                           const float *bias) {
+    for (int i = 0; i < m; i++) {
+        const float row_scale = row_scales ? row_scales[i] : 1.f;
+        for (int n = 0; n < PANEL; n++) sums[i][n] = sums[i][n] * row_scale * scale[n] + bias[n];
+    }
 }
 
-/* One (row block, panel) work item of gemm_int8's product (the comment above says which form). */
+/* One (row block, panel) work item of gemm_int8's product (the comment above says which form).
+   row_scales: the integer form's, or NULL. */
 static void int8_panel(const void *xp, const int8_t *panel, const int8_t *next, void *scratch,
-                       const float *scale, const float *bias, void *y, int M, int N, int K, int bf16,
-                       int silu_and_mul, int block, int columns, int in_registers, int pairs) {
+                       const float *scale, const float *bias, const float *row_scales, void *y, int M,
+                       int N, int K, int bf16, int silu_and_mul, int block, int columns, int in_registers) {
     static const float zeros[PANEL];
     const int units = bf16 ? (K + 1) / 2 : K, end = (block + 1) * ROW_BLOCK < M ? (block + 1) * ROW_BLOCK : M;
-    const int x_units = in_registers && !pairs ? K : units;   /* x's tiles: float32 unless in pairs */
-    if (!in_registers) widen_panel(panel, scratch, K, bf16, pairs);
+    if (!in_registers) widen_panel(panel, scratch, K, bf16);
     for (int r = block * ROW_BLOCK; r < end; r += MR) {
         const int m = end - r < MR ? end - r : MR;
+        const uint32_t *a = (const uint32_t *)xp + (int64_t)(r / MR) * MR * units;
         void *c = (char *)y + (int64_t)r * N * (bf16 ? 2 : 4);   /* y: this panel's first column */
         float sums[MR][PANEL];
-        if (in_registers)
-            tile_int8_rows((const uint32_t *)xp + (int64_t)(r / MR) * MR * x_units, panel, sums, K, m, next, pairs);
-        else if (bf16) tile_rows((const uint32_t *)xp + (int64_t)(r / MR) * MR * units, scratch, zeros, sums, K, m, 1, NULL, 0, 1);
-        else tile_rows((const uint32_t *)xp + (int64_t)(r / MR) * MR * units, scratch, zeros, sums, K, m, 0, NULL, 0, 1);
-        rescale(sums, m, scale, bias);
+        if (in_registers) tile_int8_rows(a, panel, sums, K, m, next, bf16);
+        else if (bf16) tile_rows(a, scratch, zeros, sums, K, m, 1, NULL, 0, 1);
+        else tile_rows(a, scratch, zeros, sums, K, m, 0, NULL, 0, 1);
+        rescale(sums, m, row_scales ? row_scales + r : NULL, scale, bias);
         if (bf16) store_tile(sums, m, c, N, columns, 1, silu_and_mul);
         else store_tile(sums, m, c, N, columns, 0, silu_and_mul);
     }
 }
 
 /* gemm's product on an int8 weight: packed as above, scales and bias float32 per packed column,
-   padded as gemm's bias. Up to `register_rows` rows in registers, above them on widened panels
-   (cpu/gemm.py measures where the second starts to win on this CPU). x, y, the norm and
-   silu_and_mul as gemm's. y = (x . q) x scale + bias, summed in float32. Returns 0, or 1 when out
-   of memory. */
+   padded as gemm's bias. Up to `register_rows` rows in registers (bf16 x: where this CPU has the
+   integer form), above them on widened panels (cpu/gemm.py measures where the second starts to
+   win on this CPU). x, y, the norm and silu_and_mul as gemm's. y = (x . q) x scale + bias, summed
+   in float32. Returns 0, or 1 when out of memory. */
 int gemm_int8(const void *x, void *residual, const void *norm_weight, float eps, const int8_t *packed,
               const float *bias, void *y, int M, int N, int K, int bf16, int silu_and_mul,
               const float *scales, int register_rows, int num_threads) {
-    const int width = silu_and_mul ? PANEL / 2 : PANEL, in_registers = M <= register_rows;
-    const int pairs = bf16 && INT8_PAIRS, panel_bytes = pairs ? (K + 1) / 2 * 2 * PANEL : K * PANEL;
-    const int panels = (N + width - 1) / width, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int units = bf16 && (pairs || !in_registers) ? (K + 1) / 2 : K, row_tiles = (M + MR - 1) / MR;
+    const int width = silu_and_mul ? PANEL / 2 : PANEL, in_registers = M <= register_rows && (!bf16 || INT16_PRODUCTS);
+    const int units = bf16 ? (K + 1) / 2 : K, panel_bytes = (bf16 ? 2 * units : K) * PANEL;
+    const int panels = (N + width - 1) / width, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK, row_tiles = (M + MR - 1) / MR;
     const int64_t size = bf16 ? 2 : 4;
     uint32_t *xp = malloc(sizeof(uint32_t) * ((size_t)row_tiles * MR * units + 1));   /* + 1: M = 0 */
     char *normed = norm_weight ? malloc((size_t)M * K * size + 1) : NULL;
+    float *row_scales = in_registers && bf16 ? malloc(sizeof(float) * ((size_t)M + 1)) : NULL;
     int failed = 0;
-    if (!xp || (norm_weight && !normed)) { free(xp); free(normed); return 1; }
+    if (!xp || (norm_weight && !normed) || (in_registers && bf16 && !row_scales)) {
+        free(xp); free(normed); free(row_scales);
+        return 1;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int t = 0; t < row_tiles; t++) {
             if (normed)
                 normalise_rows(x, residual, norm_weight, normed, t * MR, (t + 1) * MR, M, K, eps, bf16);
-            if (in_registers && !pairs) pack_rows_f32(normed ? normed : x, (float *)xp, M, K, bf16, t);
-            else pack_rows(normed ? normed : x, xp, M, K, units, bf16, t);
+            const void *rows = normed ? (const void *)normed : x;
+#if INT16_PRODUCTS
+            if (row_scales) {
+                pack_rows_int16(rows, xp, row_scales, M, K, t);
+                continue;
+            }
+#endif
+            pack_rows(rows, xp, M, K, units, bf16, t);
         }
         void *scratch = in_registers ? NULL : malloc((size_t)(K + 1) * PANEL * size);
         if (!in_registers && !scratch) {
@@ -426,14 +477,15 @@ int gemm_int8(const void *x, void *residual, const void *norm_weight, float eps,
                 if (!in_registers && !scratch) continue;
                 const int8_t *panel = packed + (int64_t)p * panel_bytes;
                 const int columns = N - p * width < width ? N - p * width : width;
-                int8_panel(xp, panel, p + 1 < panels ? panel + panel_bytes : NULL, scratch,
-                           scales + p * PANEL, bias + p * PANEL, (char *)y + (int64_t)p * width * size,
-                           M, N, K, bf16, silu_and_mul, block, columns, in_registers, pairs);
+                int8_panel(xp, panel, p + 1 < panels ? panel + panel_bytes : NULL, scratch, scales + p * PANEL,
+                           bias + p * PANEL, row_scales, (char *)y + (int64_t)p * width * size, M, N, K, bf16,
+                           silu_and_mul, block, columns, in_registers);
             }
         free(scratch);
     }
     free(xp);
     free(normed);
+    free(row_scales);
     return failed;
 }
 
