@@ -16,9 +16,10 @@ One symmetric scale per output channel (row of W), so that w ~ q * scale[row]:
     >>> q.tolist(), [round(s * 127, 4) for s in scale.tolist()]
     ([[127, -64], [0, 127]], [1.0, 0.25])
 
-Activations stay in the model dtype: the torch reference (layers.Linear.forward_native)
-dequantizes and multiplies; the backends multiply faster (cpu/gemm.py: gemm.c widens int8 in its
-registers; cuda/quantized.py: torch._scaled_mm on a GPU with fp8). Under TP a row-parallel rank's
+Activations are not quantized: the torch reference (layers.Linear.forward_native) dequantizes
+and multiplies in the model dtype; the backends multiply faster (cpu/gemm.py: gemm.c widens int8
+in its registers, and multiplies bf16 rows as int16 scaled by a power of two, exact for every
+value within 2^7 of its row's largest; cuda/quantized.py: torch._scaled_mm on a GPU with fp8). Under TP a row-parallel rank's
 scale is that of its own columns: it never reads the others.
 
     pytest -q tests/test_quantization.py

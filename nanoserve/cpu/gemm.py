@@ -143,7 +143,7 @@ class Int8KernelGemm(KernelGemm):
     """gemm.c's product on an int8 weight (`--quantization int8`), packed once into the `kernel`
     path's panels, one byte an element, with a float32 scale per column. Up to `register_rows`
     rows the bytes are widened in registers (a decode step: the weight streamed once, at half
-    bf16's bytes); above, a panel at a time into cache, then multiplied as the model dtype's.
+    bf16's bytes; bf16 x multiplies them as int16, gemm.c says how); above, a panel at a time into cache, then multiplied as the model dtype's.
     register_rows None: measured (int8_register_rows). `dtype`: the model's, which x must be."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype,
@@ -169,7 +169,7 @@ def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, 
                        probes=(1, 2, 4, 8, 16, 32, 64, 128)) -> int:
     """The most rows up to which gemm.c's in-register int8 form beats its widened-panel form on
     this CPU: the last of `probes` before the first it loses (random int8 weight of this shape,
-    the forms interleaved). Measured: AVX512-BF16's pair products move it from CPU to CPU."""
+    the forms interleaved). Measured: the vector width and whether the CPU has VNNI move it from CPU to CPU."""
     weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
     scale, rows = torch.rand(out_features), 0
     forms = {name: Int8KernelGemm(weight, scale, None, dtype, silu_and_mul, register_rows=limit)
