@@ -24,7 +24,9 @@ run pays its prefill), taking turns round by round so that a slow moment of the 
 all of them. Reported per cell: output tok/s (median of the rounds) and its ratio to "off", the
 acceptance rate (accepted / draft tokens), and ITL (inter-token latency: per request, the time
 from its first to its last token over the tokens between, then the mean over requests; tokens
-that arrive in one step count as arriving together). The machine (lscpu) heads the table.
+that arrive in one step count as arriving together). The machine (lscpu) heads the table,
+with the product paths the engines chose at start-up (if they differ, the ratios are
+confounded: run again, or force one with --cpu-gemm).
 Targets (issue 42): >= 1.5x output tok/s at batch 1 on copy-heavy, >= 0.95x on random.
 """
 
@@ -107,9 +109,11 @@ def main() -> None:
                     help="vLLM's key: no drafts while more requests than this are in the engine.")
     ap.add_argument("--rounds", type=int, default=3, help="Rounds; each engine runs once a round.")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--cpu-gemm", default="auto",
+                    help="One product path for every engine (each engine otherwise times its own).")
     args = ap.parse_args()
     common = dict(max_model_len=512, enable_prefix_caching=False, kv_cache_memory_gb=0.5,
-                  max_num_seqs=max(args.batches), dtype=args.dtype)
+                  max_num_seqs=max(args.batches), dtype=args.dtype, cpu_gemm=args.cpu_gemm)
     engines = {"off": LLM("nanoserve-tiny", **common)}
     for k in args.ks:
         engines[f"K={k}"] = LLM("nanoserve-tiny", **common, speculative_config={
@@ -117,6 +121,10 @@ def main() -> None:
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
             "disable_by_batch_size": args.disable_by_batch_size})
     off = engines["off"]
+    # Each engine times its product paths at start-up; on a busy machine they can choose
+    # differently, and then a ratio measures the paths as well as speculation.
+    paths = {name: llm.engine.runner.gemm_paths for name, llm in engines.items()}
+    same_paths = all(p == paths["off"] for p in paths.values())
     workloads = {"copy-heavy": copy_heavy_workload(off, args.num_prompts, args.min_story_len,
                                                    args.story_len),
                  "random": (*make_workload(args.num_prompts, (32, 256), (args.output_len,) * 2,
@@ -133,7 +141,8 @@ def main() -> None:
                         run(llm, prompts, lens, ignore_eos, batch))
     table = Table(title=f"n-gram speculative decoding, nanoserve-tiny, lookup "
                         f"{args.prompt_lookup_min}-{args.prompt_lookup_max}, {args.rounds} rounds"
-                        f" (medians)\n{cpu_description()}")
+                        f" (medians)\n{cpu_description()}\nproduct paths: " + (
+                            str(paths["off"]) if same_paths else f"DIFFER between engines {paths}"))
     for col in ("workload", "batch", "speculation", "output tok/s", "vs off", "acceptance", "ITL ms"):
         table.add_column(col, justify="left" if col in ("workload", "speculation") else "right")
     for (w, batch, name), runs in results.items():
