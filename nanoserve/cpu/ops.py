@@ -88,8 +88,8 @@ class RequestGroup(NamedTuple):
     def per_token(md: AttentionMetadata, selected: list[bool]) -> "RequestGroup":
         """Each query token of the selected requests as a decode of its own, seeing the keys up
         to its own position: a request verifying 2 drafts with seq_len 10 (rows 4-6) ->
-        query_start [4, 5, 6], seq_lens [8, 9, 10], query_len 1 each. In Python lists: a
-        step's few requests cost less so than in a dozen small tensor ops."""
+        query_start [4, 5, 6], seq_lens [8, 9, 10], query_len 1 each. Built in Python lists:
+        for a step's few requests, cheaper than a dozen small tensor ops."""
         qsl, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
         rows = [r for r, s in enumerate(selected) if s]
         tokens = [(r, j, qsl[r + 1] - qsl[r]) for r in rows for j in range(qsl[r + 1] - qsl[r])]
