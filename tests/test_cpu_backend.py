@@ -409,7 +409,8 @@ def test_bind_gives_every_op_its_cpu_form():
     embedding = model.model.embed_tokens.weight
     backend = bind(model, Config(cpu_gemm="kernel", **SMALL))
     assert backend.name == "cpu" and isinstance(backend.forward, FusedStep)
-    assert backend.build_metadata is ops.CpuAttentionMetadata.of and backend.argmax is cpu_kernels.argmax
+    assert backend.build_metadata.func is ops.CpuAttentionMetadata.of and backend.argmax is cpu_kernels.argmax
+    assert backend.build_metadata.keywords == {"max_decode_query_len": 1}   # no speculation
     assert set(backend.gemm_paths.values()) == {"kernel"}
     kinds = set()
     for module in model.modules():

@@ -10,6 +10,7 @@ rows of this step's tokens.
     pytest -q tests/test_paged_attention.py
 """
 
+import functools
 import os
 import shutil
 import subprocess
@@ -226,6 +227,33 @@ def test_cpu_prefill_kernel_matches_dense(dtype, tol, head_dim, block_size, monk
     scale = head_dim**-0.5
     out = paged_attention_cpu(q, k_cache, v_cache, md, scale)
     torch.testing.assert_close(out.float(), _dense_reference(seqs, scale), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_verification_runs_as_decodes(dtype, tol, monkeypatch):
+    """With speculation (max_decode_query_len = 1 + k) a request of up to k + 1 query tokens is
+    one decode_attention.c task per token, each seeing the keys up to its own position: the
+    dense causal result, with no request left to the prefill kernel or the torch loop."""
+    def no_other_path(*args):
+        raise AssertionError("a verification went to another path than decode_attention.c")
+    monkeypatch.setattr(cpu_ops, "attend_each", no_other_path)
+    gen = torch.Generator().manual_seed(3)
+    requests = [(30, 5), (7, 1), (15, 3), (2, 2), (40, 1)]    # block edges crossed inside a query
+    q, k, v, k_cache, v_cache, md, seqs = _build_step(requests, 4, 2, 6, 32, dtype, gen)
+    store_kv_torch(k, v, k_cache, v_cache, md.slot_mapping)
+    md = cpu_ops.CpuAttentionMetadata.of(md, max_decode_query_len=5)
+    assert not md.others.indices and md.decodes.arguments[-2] == 12    # 12 tokens, 12 tasks
+    assert md.decodes.seq_lens.tolist()[:5] == [31, 32, 33, 34, 35]
+    monkeypatch.setattr(cpu_kernels, "attention_kernel", functools.partial(
+        _only_decode_attention, cpu_kernels.attention_kernel))
+    out = paged_attention_cpu(q, k_cache, v_cache, md, 32**-0.5)
+    torch.testing.assert_close(out.float(), _dense_reference(seqs, 32**-0.5), atol=tol, rtol=tol)
+
+
+def _only_decode_attention(kernel, name, *args):
+    assert name == "decode_attention", f"{name} ran in a step of decodes and verifications"
+    return kernel(name, *args)
 
 
 def test_store_kv_worked_example():

@@ -57,5 +57,9 @@ def bind(model, config: Config) -> Optional[Backend]:
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
     forward = FusedStep.build(model, gemms) if fused else model
-    return Backend("cpu", forward, build_metadata=CpuAttentionMetadata.of, argmax=cpu_kernels.argmax,
+    # A request verifying k drafts is k + 1 decodes (vLLM's reorder_batch_threshold): cpu/ops.py
+    spec = config.speculative_config
+    build_metadata = functools.partial(CpuAttentionMetadata.of, max_decode_query_len=1 + (
+        spec.num_speculative_tokens if spec is not None else 0))
+    return Backend("cpu", forward, build_metadata=build_metadata, argmax=cpu_kernels.argmax,
                    new_kv_cache=new_kv_cache, gemm_paths=gemm_paths)

@@ -66,7 +66,8 @@ def rope_store_kv(op: RopeStoreKV, rope, q: Tensor, k: Tensor, v: Tensor, kv_cac
 
 
 class RequestGroup(NamedTuple):
-    """Some of a step's requests, in contiguous int32 tensors (what the C kernels read)."""
+    """Some of a step's requests, in contiguous int32 tensors (what the C kernels read): one entry
+    per request, or for decode_attention.c one per query token (`per_token`)."""
     indices: list[int]     # which of the step's requests
     query_start: Tensor    # [n]: each one's first row in the flat batch
     query_len: Tensor      # [n]
@@ -83,20 +84,43 @@ class RequestGroup(NamedTuple):
         return RequestGroup(rows.tolist(), *arrays,
                             (*(a.data_ptr() for a in arrays), len(rows), arrays[2].shape[1]))
 
+    @staticmethod
+    def per_token(md: AttentionMetadata, selected: list[bool]) -> "RequestGroup":
+        """Each query token of the selected requests as a decode of its own, seeing the keys up
+        to its own position: a request verifying 2 drafts with seq_len 10 (rows 4-6) ->
+        query_start [4, 5, 6], seq_lens [8, 9, 10], query_len 1 each. Built in Python lists:
+        for a step's few requests, cheaper than a dozen small tensor ops."""
+        qsl, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+        rows = [r for r, s in enumerate(selected) if s]
+        tokens = [(r, j, qsl[r + 1] - qsl[r]) for r in rows for j in range(qsl[r + 1] - qsl[r])]
+        arrays = (torch.tensor([qsl[r] + j for r, j, _ in tokens], dtype=torch.int32),
+                  torch.ones(len(tokens), dtype=torch.int32),
+                  md.block_tables[[r for r, _, _ in tokens]].to(torch.int32),
+                  torch.tensor([seq_lens[r] - (n - 1 - j) for r, j, n in tokens], dtype=torch.int32))
+        return RequestGroup(rows, *arrays,
+                            (*(a.data_ptr() for a in arrays), len(tokens), arrays[2].shape[1]))
+
 
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
-    decodes: Optional[RequestGroup] = None   # query_len 1: decode_attention.c
+    decodes: Optional[RequestGroup] = None   # query_len <= max_decode_query_len: decode_attention.c
     others: Optional[RequestGroup] = None    # the rest: prefill_attention.c
 
     @staticmethod
-    def of(md: AttentionMetadata) -> "CpuAttentionMetadata":
+    def of(md: AttentionMetadata, max_decode_query_len: int = 1) -> "CpuAttentionMetadata":
+        """max_decode_query_len: 1 + num_speculative_tokens with speculation (vLLM's
+        reorder_batch_threshold): a request verifying k drafts runs as k + 1 decodes, each
+        token against the keys up to its own position (causal), in decode_attention.c."""
         if isinstance(md, CpuAttentionMetadata):
             return md
         query_len = md.query_start_loc[1:] - md.query_start_loc[:-1]
         common = {f.name: getattr(md, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        return CpuAttentionMetadata(**common, decodes=RequestGroup.of(md, query_len == 1),
-                                    others=RequestGroup.of(md, query_len > 1))
+        if max_decode_query_len == 1 or md.max_query_len == 1:
+            return CpuAttentionMetadata(**common, decodes=RequestGroup.of(md, query_len == 1),
+                                        others=RequestGroup.of(md, query_len > 1))
+        short = query_len <= max_decode_query_len
+        return CpuAttentionMetadata(**common, decodes=RequestGroup.per_token(md, short.tolist()),
+                                    others=RequestGroup.of(md, ~short))
 
 
 def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, md: AttentionMetadata,
