@@ -33,8 +33,8 @@ import json, sys, time
 from nanoserve import LLM, SamplingParams
 
 spec = json.load(open(sys.argv[1]))
-llm = LLM(spec["model"], dtype=spec["dtype"], kv_cache_memory_gb=4, max_model_len=1024,
-          enable_prefix_caching=False)
+llm = LLM(spec["model"], dtype=spec["dtype"], quantization=spec["quantization"], kv_cache_memory_gb=4,
+          max_model_len=1024, enable_prefix_caching=False)
 llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), progress=False)
 print("READY", flush=True)
 params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in spec["output_lens"]]
@@ -59,12 +59,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", action="append", required=True, help="NAME=TREE[:VAR=VALUE,...]")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", choices=["int8", "fp8"], help="every variant's weights")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     prompts, output_lens = make_workload(args.num_prompts)
-    spec = {"model": str(make_checkpoint()), "dtype": args.dtype, "prompts": prompts,
-            "output_lens": output_lens}
+    spec = {"model": str(make_checkpoint()), "dtype": args.dtype, "quantization": args.quantization,
+            "prompts": prompts, "output_lens": output_lens}
     variants = [parse_variant(v) for v in args.variant]
     results = {name: [] for name, _ in variants}
     with tempfile.TemporaryDirectory() as tmp:

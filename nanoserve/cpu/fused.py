@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from nanoserve.cpu import kernels as cpu_kernels
-from nanoserve.cpu.gemm import AmxGemm, Gemm, Int8KernelGemm, KernelGemm
+from nanoserve.cpu.gemm import NO_ROW_LIMIT, AmxGemm, Gemm, Int8KernelGemm, KernelGemm
 from nanoserve.cpu.ops import CpuAttentionMetadata, paged_attention_cpu
 from nanoserve.layers import RMSNorm
 
@@ -67,11 +67,11 @@ def product_of(gemm: Gemm, kernels) -> Product:
     if isinstance(gemm, Int8KernelGemm):
         return Product(kernels.gemm_int8, gemm.packed.data_ptr(), gemm.bias.data_ptr(),
                        (gemm.out_features, gemm.in_features, int(gemm.dtype == torch.bfloat16), silu,
-                        gemm.scales.data_ptr(), gemm.register_rows), 1 << 30, gemm)
+                        gemm.scales.data_ptr(), gemm.register_rows), NO_ROW_LIMIT, gemm)
     if isinstance(gemm, KernelGemm):
         bf16 = int(gemm.packed.dtype == torch.bfloat16)
         return Product(kernels.gemm, gemm.packed.data_ptr(), gemm.bias.data_ptr(),
-                       (gemm.out_features, gemm.in_features, bf16, silu), 1 << 30, gemm)
+                       (gemm.out_features, gemm.in_features, bf16, silu), NO_ROW_LIMIT, gemm)
     return Product(None, 0, 0, (), 0, gemm)
 
 

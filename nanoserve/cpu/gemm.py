@@ -16,15 +16,13 @@ model's real shapes and row counts, on this machine, and gives each Linear the f
     onednn-fp32    for a bf16/fp16 model: the weight packed once in float32, the rows widened
                    on the fly. The same numbers as a bf16 product (bf16 x bf16 is exact in
                    float32, both sum in float32), at float32's speed, for float32's memory.
-    kernel         nanoserve's own C product (csrc/gemm.c, built with the other CPU kernels) on
-                   the weight packed once into its panels, float32 or bf16. A library's small-row
-                   products can be far from the peak: on a Zen 4, 1 to 64 rows ran 1.1-1.6x
-                   faster here than in oneDNN, and both ran at the peak from 256 rows.
-    amx            bf16 on a CPU with AMX: the weight kept as it is. Up to a row count measured
-                   at start-up (`amx_loop_rows`) gemm.c's AMX loop, which streams the weight at
-                   near memory speed (a decode step's 1-64 rows), above it F.linear on the same
-                   tensor (prefill). One copy of the weight serves both. The loop ends gate_up in
-                   silu(gate) * up itself, as the kernel path does.
+    kernel         nanoserve's own C product (csrc/gemm.c) on the weight packed once into its
+                   panels, float32 or bf16: a library's small-row products can be far from the
+                   peak (Zen 4: 1-64 rows 1.1-1.6x faster than oneDNN's; both at peak from 256).
+    amx            bf16 on a CPU with AMX, the weight kept as it is: up to a row count measured at
+                   start-up (`amx_loop_rows`) gemm.c's AMX loop, streaming it at near memory speed
+                   (a decode step's rows), above it F.linear on the same tensor (prefill). The
+                   loop ends gate_up in silu(gate) * up itself, as the kernel path does.
     --quantization int8: torch (dequantize, then F.linear), int8pack (torch's _weight_int8pack_mm)
     and kernel (gemm.c's gemm_int8, Int8KernelGemm); fp8: torch alone (no CPU multiplies fp8).
 
@@ -142,9 +140,8 @@ class KernelGemm(Gemm):
 class Int8KernelGemm(KernelGemm):
     """gemm.c's product on an int8 weight (`--quantization int8`), packed once into the `kernel`
     path's panels, one byte an element, with a float32 scale per column. Up to `register_rows`
-    rows the bytes are widened in registers (a decode step: the weight streamed once, at half
-    bf16's bytes; bf16 x multiplies them as int16, gemm.c says how); above, a panel at a time into cache, then multiplied as the model dtype's.
-    register_rows None: measured (int8_register_rows). `dtype`: the model's, which x must be."""
+    rows (None: measured, int8_register_rows) the bytes meet x in registers (bf16 x as int16, as
+    gemm.c says); above, a panel at a time widens into cache. `dtype`: the model's, which x must be."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype,
                  silu_and_mul: bool = False, register_rows: Optional[int] = None):
@@ -164,22 +161,26 @@ class Int8KernelGemm(KernelGemm):
         return super().__call__(x.to(self.dtype), norm, residual)
 
 
+NO_ROW_LIMIT = 1 << 30   # more rows than any batch has
+
+
 @functools.lru_cache(maxsize=None)
 def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, silu_and_mul: bool = False,
-                       probes=(1, 2, 4, 8, 16, 32, 64, 128)) -> int:
+                       probes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)) -> int:
     """The most rows up to which gemm.c's in-register int8 form beats its widened-panel form on
-    this CPU: the last of `probes` before the first it loses (random int8 weight of this shape,
-    the forms interleaved). Measured: the vector width and whether the CPU has VNNI move it from CPU to CPU."""
+    this CPU: the last of `probes` before the first it loses (random int8 weight of this shape, the
+    forms interleaved), or no limit if it never does (past 64 rows both repeat per 64-row block).
+    VNNI and the vector width move it from CPU to CPU (a Zen 4 with VNNI: no limit)."""
     weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
     scale, rows = torch.rand(out_features), 0
     forms = {name: Int8KernelGemm(weight, scale, None, dtype, silu_and_mul, register_rows=limit)
-             for name, limit in (("registers", 1 << 30), ("panels", 0))}
+             for name, limit in (("registers", NO_ROW_LIMIT), ("panels", 0))}
     for m in probes:
         seconds = _interleaved_seconds(forms, torch.randn(m, in_features, dtype=dtype), 2)
         if seconds["registers"] > seconds["panels"]:
-            break
+            return rows
         rows = m
-    return rows
+    return NO_ROW_LIMIT
 
 
 class DequantizeGemm(Gemm):
@@ -328,10 +329,10 @@ def _interleaved_seconds(gemms: dict[str, Gemm], x: Tensor, repeats: int) -> dic
 def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
                paths: Iterable[str], repeats: int = 3, silu_and_mul: bool = False,
                scale: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> dict[str, float]:
-    """Each path's cost over `rows`: the sum, over the row counts, of its best time divided by
-    the fastest path's (1.0 per row count = always the fastest), silu_and_mul included where the
-    layer has it. Paths this machine cannot run are left out. Relative, so a 512-row product
-    does not drown out the 1-row decode. scale, dtype: a quantized weight's (make_gemm)."""
+    """Each path's cost over `rows`: the sum over the row counts of its best time / the fastest
+    path's (1.0 per row count: always the fastest; relative, so 512 rows do not drown out a 1-row
+    decode), silu_and_mul included where the layer has it. Paths this machine cannot run are left
+    out. scale, dtype: a quantized weight's (make_gemm)."""
     gemms = {}
     for path in paths:
         try:
@@ -356,28 +357,26 @@ def timed_rows(most: int) -> list[int]:
 
 def choose_cpu_gemms(model, config: Config, silu_fused: bool) -> tuple[dict, dict[str, str]]:
     """Give every Linear of `model` its fastest path on this CPU, timed once per distinct shape:
-    the layers at up to a step's token budget, the LM head at the rows that sample.
-    `config.cpu_gemm` (a path name) skips the timing; where that path cannot run here, the layer
-    keeps torch's. silu_fused: gate_up's gemm is built for the fused step's silu(gate) * up.
-    Returns ({Linear: Gemm}, {'in x out dtype': path}), the latter for `nanoserve bench`."""
-    chosen, gemms, labels = {}, {}, {}
+    the layers at up to a step's token budget, the LM head at the rows that sample. A path named
+    by `config.cpu_gemm` skips the timing (torch's where it cannot run here). silu_fused: gate_up's
+    gemm ends in silu(gate) * up. Returns ({Linear: Gemm}, {'in x out dtype': path}) (bench's)."""
+    gemms, labels = {}, {}
     dtype = model.model.embed_tokens.weight.dtype    # the activations'
     for name, layer in model.named_modules():
         if not isinstance(layer, Linear):
             continue
         w, silu = layer.weight.detach(), silu_fused and name.endswith("gate_up_proj")
         scale = layer.weight_scale if layer.quantization else None
-        key = (w.shape, w.dtype, layer.bias is not None, silu)
-        if key not in chosen:
+        label = gemm_label(layer, w.dtype) + (" silu_and_mul" if silu else "")
+        if label not in labels:   # one path per label: what bench reports is what every such layer runs
             paths = candidate_paths(w.dtype, dtype)
             if config.cpu_gemm != "auto":
                 paths = [p for p in paths if p == config.cpu_gemm] or ["torch"]
             rows = timed_rows(config.max_num_seqs if layer is model.lm_head else config.max_num_batched_tokens)
             cost = time_paths(w, layer.bias, rows, paths, silu_and_mul=silu, scale=scale,
                               dtype=dtype) or {"torch": 0.0}
-            chosen[key] = min(cost, key=cost.get)
-        gemms[layer] = make_gemm(chosen[key], w, layer.bias, silu, scale, dtype)
-        labels[gemm_label(layer, w.dtype) + (" silu_and_mul" if silu else "")] = chosen[key]
+            labels[label] = min(cost, key=cost.get)
+        gemms[layer] = make_gemm(labels[label], w, layer.bias, silu, scale, dtype)
     return gemms, labels
 
 
