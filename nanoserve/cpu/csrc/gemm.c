@@ -222,8 +222,9 @@ static void normalise_rows(const void *x, void *residual, const void *norm_weigh
 /* int8 weights (`--quantization int8`) are packed as a float32 weight is, one byte an element:
    packed[p][k][j]; for bf16 x, as a bf16 weight is, in k-pairs: packed[p][k / 2][j][k % 2] (K
    padded to even). Two forms multiply them, the faster one chosen by the row count (gemm_int8):
-   - few rows, in registers: each panel's bytes widened as they are loaded, so a decode step
-     streams the weight once, reading 1 byte where bf16 reads 2.
+   - in registers (a decode step's few rows, or every count where it wins: cpu/gemm.py measures):
+     each panel's bytes widened as they are loaded, so a decode step streams the weight once,
+     reading 1 byte where bf16 reads 2.
      float32 x: the bytes widened to float32 lanes for float32 FMAs (tile_int8).
      bf16 x: integer products (tile_int16). Each row of x is first scaled by a power of two into
      int16 (pack_rows_int16: exact for every value within 2^7 of the row's largest, as a bf16
