@@ -24,7 +24,10 @@ run pays its prefill), taking turns round by round so that a slow moment of the 
 all of them. Reported per cell: output tok/s (median of the rounds) and its ratio to "off", the
 acceptance rate (accepted / draft tokens), and ITL (inter-token latency: per request, the time
 from its first to its last token over the tokens between, then the mean over requests; tokens
-that arrive in one step count as arriving together). The machine (lscpu) heads the table,
+that arrive in one step count as arriving together), the engine steps the workload took and
+their mean time: where drafts do not pay, these two say why (a batch of fixed-length requests
+saves only its slowest request's steps, while every draft row costs compute). The machine
+(lscpu) heads the table,
 with the product paths the engines chose at start-up (if they differ, the ratios are
 confounded: run again, or force one with --cpu-gemm).
 Targets (issue 42): >= 1.5x output tok/s at batch 1 on copy-heavy, >= 0.95x on random.
@@ -69,7 +72,7 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], ignore_eos: 
     """The prompts, `batch` at a time; stepping the engine by hand to time each token (a request
     that ends at EOS counts the tokens it made, not its max_tokens)."""
     engine, counts_before = llm.engine, dict(llm.engine.scheduler.spec_counts)
-    first, last, made = {}, {}, {}
+    first, last, made, steps = {}, {}, {}, 0
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         for j in range(i, min(i + batch, len(prompts))):
@@ -77,7 +80,7 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], ignore_eos: 
                                     max_tokens=output_lens[j])
             llm._add(f"b{j}", llm.processor.make_requests(f"b{j}", prompts[j], params))
         while engine.has_unfinished_requests():
-            outputs, now = engine.step(), time.perf_counter()
+            outputs, now, steps = engine.step(), time.perf_counter(), steps + 1
             for out in outputs:
                 n = len(out.new_token_ids)
                 first.setdefault(out.request_id, (now, n))
@@ -90,7 +93,8 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], ignore_eos: 
     counts = {k: v - counts_before[k] for k, v in engine.scheduler.spec_counts.items()}
     drafts = counts["num_draft_tokens"]
     return {"tok_s": sum(made.values()) / elapsed, "itl_ms": 1e3 * statistics.mean(itls) if itls else 0.0,
-            "acceptance": counts["num_accepted_tokens"] / drafts if drafts else None}
+            "acceptance": counts["num_accepted_tokens"] / drafts if drafts else None,
+            "steps": steps, "step_ms": 1e3 * elapsed / steps}
 
 
 def main() -> None:
@@ -143,15 +147,17 @@ def main() -> None:
                         f"{args.prompt_lookup_min}-{args.prompt_lookup_max}, {args.rounds} rounds"
                         f" (medians)\n{cpu_description()}\nproduct paths: " + (
                             str(paths["off"]) if same_paths else f"DIFFER between engines {paths}"))
-    for col in ("workload", "batch", "speculation", "output tok/s", "vs off", "acceptance", "ITL ms"):
+    for col in ("workload", "batch", "speculation", "output tok/s", "vs off", "acceptance", "ITL ms",
+                "steps", "ms/step"):
         table.add_column(col, justify="left" if col in ("workload", "speculation") else "right")
     for (w, batch, name), runs in results.items():
         med = lambda key: statistics.median(r[key] for r in runs)
         base = statistics.median(r["tok_s"] for r in results[(w, batch, "off")])
         acc = runs[0]["acceptance"]
         table.add_row(w, str(batch), name, f"{med('tok_s'):.1f}", f"{med('tok_s') / base:.2f}x",
-                      "-" if acc is None else f"{acc:.2f}", f"{med('itl_ms'):.2f}")
-    Console().print(table)
+                      "-" if acc is None else f"{acc:.2f}", f"{med('itl_ms'):.2f}", str(runs[0]["steps"]),
+                      f"{med('step_ms'):.2f}")
+    Console(width=110).print(table)   # nine columns: wider than a pipe's default 80
 
 
 if __name__ == "__main__":
