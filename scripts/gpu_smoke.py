@@ -2,18 +2,22 @@
 on an H200, at most 10), printed for a person to read.
 
     python scripts/gpu_smoke.py        # from the repository root, on a machine with a CUDA GPU
+    python scripts/gpu_smoke.py fp8-products speculation      # only the sections named
 
 Sections, in order; each runs even when one before it failed (a failure prints its traceback):
 
-  kernel tests     tests/test_paged_attention_triton.py with the kernels compiled (TRITON_INTERPRET=0)
   warm-up          compile_kernels' time, and no compile left for serving steps after it
-  kernels          compiled store_kv + attention == the torch reference at real head shapes, in
-                   float32 and bfloat16 (max error printed)
+  kernels          compiled store_kv + attention == the torch reference at real head shapes, fp32, bf16
   LLM float32      LLM(device='cuda') start-up time and KV pool; its greedy == CPU greedy, token for token
   LLM bfloat16     bf16 greedy vs float32 greedy: the fraction of tokens that agree
+  fp8 products     torch._scaled_mm == dequantize-then-F.linear, 1-300 rows; its time against bf16's
+  quantized model  int8 / fp8 perplexity within 3% / 5% of bf16's; the greedy story they share
+  speculation      n-gram drafts: greedy == greedy without them, alone and batched; acceptance
   seeded sampling  a seeded request alone == the same request inside a batch of 8
-  throughput       nanoserve bench's workload (tools/bench.py) on CUDA: tok/s and the step's time split
+  throughput       nanoserve bench's workload (tools/bench.py) and batch-1 decode, in bf16, fp8 and
+                   int8: tok/s and the step's time split
   serve            `nanoserve serve --device cuda` answers one /v1/completions on loopback
+  kernel tests     tests/test_paged_attention_triton.py with the kernels compiled (TRITON_INTERPRET=0)
   past 2^31        a bf16 step whose blocks sit past 2^31 cache elements (last: a memory fault there
                    leaves the CUDA context unusable)
 
@@ -196,15 +200,22 @@ def seeded_sampling() -> str:
 
 
 def throughput() -> str:
+    """nanoserve bench's workload (tools/bench.py) and decode at batch 1, SmolLM2-135M-shaped, in
+    bf16, fp8 (scaled_mm) and int8 (widened to bf16 in the product: no int8 kernel on CUDA)."""
     from nanoserve.tools.bench import make_bench_llm, make_workload, time_workload
-    llm = make_bench_llm(dtype="bfloat16", device="cuda")
-    result = time_workload(llm, *make_workload(64))
-    del llm
-    free_cuda_memory()
-    split = ", ".join(f"{k} {v:.2f}" for k, v in result["ms_per_step"].items())
-    print(f"{result['output_tok_s']:.0f} output tok/s, {result['steps']} steps, mean batch "
-          f"{result['mean_batch_size']:.1f}; ms/step: {split}")
-    return f"{result['output_tok_s']:.0f} tok/s"
+    prompts, output_lens = make_workload(64)
+    rates = {}
+    for q in (None, "fp8", "int8"):
+        llm = make_bench_llm(dtype="bfloat16", device="cuda", quantization=q)
+        one, result = time_workload(llm, [prompts[0][:16]], [128]), time_workload(llm, prompts, output_lens)
+        del llm
+        free_cuda_memory()
+        rates[q] = one["output_tok_s"], result["output_tok_s"]
+        split = ", ".join(f"{k} {v:.2f}" for k, v in result["ms_per_step"].items())
+        print(f"{q or 'bfloat16'}: batch 1 {rates[q][0]:.1f} tok/s ({rates[q][0] / rates[None][0]:.2f}x); "
+              f"64 requests {rates[q][1]:.0f} tok/s ({rates[q][1] / rates[None][1]:.2f}x), {result['steps']} "
+              f"steps, mean batch {result['mean_batch_size']:.1f}; ms/step: {split}")
+    return f"bf16 {rates[None][1]:.0f} tok/s; fp8 {rates['fp8'][1] / rates[None][1]:.2f}x, int8 {rates['int8'][1] / rates[None][1]:.2f}x"
 
 
 def serve() -> str:
@@ -223,6 +234,113 @@ def serve() -> str:
         text = answer.json()["choices"][0]["text"]
     print(f"/v1/completions: {text!r}")
     return f"answered {len(text)} chars"
+
+
+# ------------------------------------------------------------------- quantization and speculation
+
+
+def gpu_us(fn, calls: int = 50) -> tuple[float, float]:
+    """(wall, GPU) µs a call of fn(), after 5 warm-up calls: wall runs the calls back to back (it
+    exceeds GPU where launching the kernels takes longer than running them); GPU is the sum of the
+    kernels' own times (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / calls * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return wall, sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / calls
+
+
+def fp8_products() -> str:
+    """torch._scaled_mm (per-token activation scales) == dequantize-then-F.linear (the Linear's
+    torch reference) at SmolLM2-135M's and Llama-3-8B's product shapes, 1, 7, 64 and 300 rows; its
+    time (wall and GPU) against the bf16 product it replaces, and _scaled_mm's kernel alone."""
+    import torch.nn.functional as F
+    from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
+    from nanoserve.layers import Linear
+    from nanoserve.quantization import quantize
+    g, capability, worst = torch.Generator(device="cuda").manual_seed(3), torch.cuda.get_device_capability(), 0.0
+    for in_f, out_f in ((576, 3072), (1536, 576), (4096, 6144), (14336, 4096)):
+        w = torch.randn(out_f, in_f, generator=g, device="cuda") * in_f**-0.5
+        linear = Linear(in_f, out_f, bias=False, quantization="fp8").cuda()
+        assert uses_scaled_mm(linear, capability, torch.bfloat16), f"capability {capability}: no scaled_mm"
+        linear.weight.data, linear.weight_scale = quantize(w, "fp8")
+        for m in (1, 7, 64, 300):
+            x = torch.randn(m, in_f, generator=g, device="cuda").bfloat16()
+            y, ref = scaled_mm_linear(linear, x).float(), linear.forward_native(x).float()
+            err = ((y - ref).abs().max() / ref.abs().max()).item()
+            worst = max(worst, err)
+            torch.testing.assert_close(y, ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
+            xq, ones, bf16 = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda"), w.bfloat16()
+            (bw, bg), (fw, fg), (_, kg) = (gpu_us(f) for f in (
+                lambda: F.linear(x, bf16), lambda: scaled_mm_linear(linear, x), lambda: torch._scaled_mm(
+                    xq, linear.weight.t(), scale_a=ones, scale_b=linear.weight_scale[None, :], out_dtype=torch.bfloat16)))
+            print(f"{in_f:5} -> {out_f:5}, {m:3} rows: error / max |y| {err:.1e}; µs wall bf16 {bw:5.1f} fp8 "
+                  f"{fw:5.1f}, GPU bf16 {bg:5.1f} fp8 {fg:5.1f} (_scaled_mm's kernel {kg:5.1f})")
+    return f"max err {worst:.1e} of max |y|"
+
+
+def quantized_model() -> str:
+    """The built-in model in bf16, int8 and fp8 on CUDA: fp8's products on scaled_mm, held-out
+    perplexity within 3% (int8) / 5% (fp8) of bf16, and the greedy story's first 32 tokens."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from nanoserve import LLM, SamplingParams
+    from test_quantization import held_out_docs, perplexity   # the CPU test's oracle, here on CUDA
+    ppl, story, docs = {}, {}, None
+    for q in (None, "int8", "fp8"):
+        llm = LLM("nanoserve-tiny", device="cuda", dtype="bfloat16", quantization=q, kv_cache_memory_gb=1)
+        docs = docs or [llm.tokenizer(d, add_special_tokens=False).input_ids for d in held_out_docs()]
+        paths = llm.engine.runner.gemm_paths
+        ppl[q] = perplexity(llm.engine.runner, docs)
+        story[q] = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+                                progress=False)[0].outputs[0].token_ids
+        print(f"{q or 'bfloat16'}: perplexity {ppl[q]:.5f}; product paths {paths}")
+        del llm
+        free_cuda_memory()
+        assert q != "fp8" or "scaled_mm" in paths.values(), "no fp8 product runs on scaled_mm"
+    same = {q: next((i for i, (a, b) in enumerate(zip(story[q], story[None])) if a != b), 32) for q in story}
+    print(f"greedy story: the first {same['int8']} (int8) and {same['fp8']} (fp8) of 32 tokens equal bf16's")
+    assert ppl["int8"] <= 1.03 * ppl[None] and ppl["fp8"] <= 1.05 * ppl[None], ppl
+    return f"ppl bf16 {ppl[None]:.3f} int8 {ppl['int8']:.3f} fp8 {ppl['fp8']:.3f}; story {same['fp8']}/32"
+
+
+def speculation() -> str:
+    """n-gram speculation on CUDA, float32: greedy == greedy without it, alone and batched, on
+    prompts that repeat the model's own story (the KV invariants checked every step, debug=2);
+    acceptance, and tok/s at batch 1 against speculation off."""
+    from nanoserve import LLM, SamplingParams
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    common = dict(device="cuda", dtype="float32", kv_cache_memory_gb=2, max_model_len=512)
+    plain, checked = LLM("nanoserve-tiny", **common), LLM("nanoserve-tiny", **common, debug=2, speculative_config=spec)
+    fast = LLM("nanoserve-tiny", **common, speculative_config=spec)
+    stories = plain.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=100), progress=False)
+    prompts = [{"prompt_token_ids": s.prompt_token_ids + s.outputs[0].token_ids + s.prompt_token_ids} for s in stories]
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    ids = lambda llm, ps: [o.outputs[0].token_ids for o in llm.generate(ps, params, progress=False)]
+    want, batched = ids(plain, prompts), ids(checked, prompts)
+    alone = [ids(checked, [p])[0] for p in prompts]
+    for prompt, w, b, a in zip(PROMPTS, want, batched, alone):
+        print(f"{prompt!r}: batched {'equal' if b == w else 'DIFFERS'}, alone {'equal' if a == w else 'DIFFERS'}")
+    stats = checked.engine.get_stats()
+    acceptance = stats["spec_decode_num_accepted_tokens_total"] / max(stats["spec_decode_num_draft_tokens_total"], 1)
+    rate = {}
+    for name, llm in (("off", plain), ("K=4", fast)):
+        ids(llm, prompts[:1])                   # warm
+        start = time.perf_counter()
+        rate[name] = sum(len(ids(llm, [p])[0]) for p in prompts) / (time.perf_counter() - start)
+    print(f"acceptance {acceptance:.2f}; batch 1: off {rate['off']:.0f} tok/s, K=4 {rate['K=4']:.0f} tok/s")
+    del plain, checked, fast
+    free_cuda_memory()
+    assert batched == want and alone == want, "greedy with speculation != greedy without it"
+    return f"== greedy; acceptance {acceptance:.2f}; batch 1 {rate['K=4'] / rate['off']:.2f}x"
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -266,11 +384,13 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, compute capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB; "
           f"torch {torch.__version__}, triton {triton.__version__}")
-    results = run([("kernel tests", kernel_tests, KERNEL_TESTS_LIMIT_S), ("warm-up", warm_up, 60),
-                   ("kernels", kernels, 120), ("LLM float32", llm_float32, 150),
-                   ("LLM bfloat16", llm_bfloat16, 60), ("seeded sampling", seeded_sampling, 60),
-                   ("throughput", throughput, 120), ("serve", serve, SERVE_LIMIT_S),
-                   ("past 2^31", past_int32, 60)])
+    sections = [("warm-up", warm_up, 60), ("kernels", kernels, 120), ("LLM float32", llm_float32, 150),
+                ("LLM bfloat16", llm_bfloat16, 60), ("fp8 products", fp8_products, 60),
+                ("quantized model", quantized_model, 90), ("speculation", speculation, 90),
+                ("seeded sampling", seeded_sampling, 60), ("throughput", throughput, 150), ("serve", serve, SERVE_LIMIT_S),
+                ("kernel tests", kernel_tests, KERNEL_TESTS_LIMIT_S), ("past 2^31", past_int32, 60)]
+    chosen = {name.lower().replace(" ", "-") for name in sys.argv[1:]}
+    results = run([s for s in sections if not chosen or s[0].lower().replace(" ", "-") in chosen])
     print("\n" + "\n".join(f"{name:16} {status:5} {secs:6.1f} s  {note}" for name, status, secs, note in results))
     return int(any(status != "ok" for _, status, _, _ in results))
 

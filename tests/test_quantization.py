@@ -203,7 +203,8 @@ def perplexity(runner: ModelRunner, docs: list[list[int]]) -> float:
     nll, count = 0.0, 0
     for ids in docs:
         ids = ids[:runner.config.max_model_len]
-        nll += F.cross_entropy(logits_of(runner, ids)[:-1], torch.tensor(ids[1:]), reduction="sum").item()
+        logits = logits_of(runner, ids)[:-1]
+        nll += F.cross_entropy(logits, torch.tensor(ids[1:], device=logits.device), reduction="sum").item()
         count += len(ids) - 1
     return math.exp(nll / count)
 
