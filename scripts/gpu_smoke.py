@@ -14,12 +14,10 @@ Sections, in order; each runs even when one before it failed (a failure prints i
   quantized model  int8 / fp8 perplexity within 3% / 5% of bf16's; the greedy story they share
   speculation      n-gram drafts: greedy == greedy without them, alone and batched; acceptance
   seeded sampling  a seeded request alone == the same request inside a batch of 8
-  throughput       nanoserve bench's workload (tools/bench.py) and batch-1 decode, in bf16, fp8 and
-                   int8: tok/s and the step's time split
+  throughput       bench's workload (tools/bench.py), batch-1 decode; bf16, fp8, int8: tok/s, step split
   serve            `nanoserve serve --device cuda` answers one /v1/completions on loopback
   kernel tests     tests/test_paged_attention_triton.py with the kernels compiled (TRITON_INTERPRET=0)
-  past 2^31        a bf16 step whose blocks sit past 2^31 cache elements (last: a memory fault there
-                   leaves the CUDA context unusable)
+  past 2^31        a bf16 step with blocks past 2^31 cache elements (last: a fault there breaks the context)
 
 Then a summary table. Each section has a time limit (a hang is a FAIL), and sections left when 9 1/3
 minutes are spent are skipped. Exit status: 0 all passed, 1 a section failed or was skipped, 2 no CUDA
@@ -240,9 +238,8 @@ def serve() -> str:
 
 
 def gpu_us(fn, calls: int = 50) -> tuple[float, float]:
-    """(wall, GPU) µs a call of fn(), after 5 warm-up calls: wall runs the calls back to back (it
-    exceeds GPU where launching the kernels takes longer than running them); GPU is the sum of the
-    kernels' own times (torch.profiler)."""
+    """(wall, GPU) µs a call of fn(), after 5 warm-up calls: wall, the calls back to back (above GPU where
+    launching kernels takes longer than running them); GPU, the kernels' own times (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(5):
         fn()
@@ -263,7 +260,6 @@ def fp8_products() -> str:
     """torch._scaled_mm (per-token activation scales) == dequantize-then-F.linear (the Linear's
     torch reference) at SmolLM2-135M's and Llama-3-8B's product shapes, 1, 7, 64 and 300 rows; its
     time (wall and GPU) against the bf16 product it replaces, and _scaled_mm's kernel alone."""
-    import torch.nn.functional as F
     from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
     from nanoserve.layers import Linear
     from nanoserve.quantization import quantize
@@ -273,15 +269,16 @@ def fp8_products() -> str:
         linear = Linear(in_f, out_f, bias=False, quantization="fp8").cuda()
         assert uses_scaled_mm(linear, capability, torch.bfloat16), f"capability {capability}: no scaled_mm"
         linear.weight.data, linear.weight_scale = quantize(w, "fp8")
+        bf16 = w.bfloat16()
         for m in (1, 7, 64, 300):
             x = torch.randn(m, in_f, generator=g, device="cuda").bfloat16()
             y, ref = scaled_mm_linear(linear, x).float(), linear.forward_native(x).float()
             err = ((y - ref).abs().max() / ref.abs().max()).item()
             worst = max(worst, err)
             torch.testing.assert_close(y, ref, atol=0.1 * ref.abs().max().item(), rtol=0.1)
-            xq, ones, bf16 = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda"), w.bfloat16()
+            xq, ones = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda")   # timing only
             (bw, bg), (fw, fg), (_, kg) = (gpu_us(f) for f in (
-                lambda: F.linear(x, bf16), lambda: scaled_mm_linear(linear, x), lambda: torch._scaled_mm(
+                lambda: torch.nn.functional.linear(x, bf16), lambda: scaled_mm_linear(linear, x), lambda: torch._scaled_mm(
                     xq, linear.weight.t(), scale_a=ones, scale_b=linear.weight_scale[None, :], out_dtype=torch.bfloat16)))
             print(f"{in_f:5} -> {out_f:5}, {m:3} rows: error / max |y| {err:.1e}; µs wall bf16 {bw:5.1f} fp8 "
                   f"{fw:5.1f}, GPU bf16 {bg:5.1f} fp8 {fg:5.1f} (_scaled_mm's kernel {kg:5.1f})")
@@ -314,21 +311,22 @@ def quantized_model() -> str:
 
 def speculation() -> str:
     """n-gram speculation on CUDA, float32: greedy == greedy without it, alone and batched, on
-    prompts that repeat the model's own story (the KV invariants checked every step, debug=2);
+    bench_spec_decode.py's copy-heavy prompts (the KV invariants checked every step, debug=2);
     acceptance, and tok/s at batch 1 against speculation off."""
+    from bench_spec_decode import copy_heavy_workload   # this script's folder is on sys.path
     from nanoserve import LLM, SamplingParams
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     common = dict(device="cuda", dtype="float32", kv_cache_memory_gb=2, max_model_len=512)
     plain, checked = LLM("nanoserve-tiny", **common), LLM("nanoserve-tiny", **common, debug=2, speculative_config=spec)
     fast = LLM("nanoserve-tiny", **common, speculative_config=spec)
-    stories = plain.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=100), progress=False)
-    prompts = [{"prompt_token_ids": s.prompt_token_ids + s.outputs[0].token_ids + s.prompt_token_ids} for s in stories]
+    token_ids, _, _ = copy_heavy_workload(plain, num_prompts=4, min_story_len=48, story_len=100)
+    prompts = [{"prompt_token_ids": p} for p in token_ids]
     params = SamplingParams(temperature=0.0, max_tokens=64)
     ids = lambda llm, ps: [o.outputs[0].token_ids for o in llm.generate(ps, params, progress=False)]
     want, batched = ids(plain, prompts), ids(checked, prompts)
     alone = [ids(checked, [p])[0] for p in prompts]
-    for prompt, w, b, a in zip(PROMPTS, want, batched, alone):
-        print(f"{prompt!r}: batched {'equal' if b == w else 'DIFFERS'}, alone {'equal' if a == w else 'DIFFERS'}")
+    for i, (w, b, a) in enumerate(zip(want, batched, alone)):
+        print(f"prompt {i}: batched {'equal' if b == w else 'DIFFERS'}, alone {'equal' if a == w else 'DIFFERS'}")
     stats = checked.engine.get_stats()
     acceptance = stats["spec_decode_num_accepted_tokens_total"] / max(stats["spec_decode_num_draft_tokens_total"], 1)
     rate = {}
@@ -389,8 +387,10 @@ def main() -> int:
                 ("quantized model", quantized_model, 90), ("speculation", speculation, 90),
                 ("seeded sampling", seeded_sampling, 60), ("throughput", throughput, 150), ("serve", serve, SERVE_LIMIT_S),
                 ("kernel tests", kernel_tests, KERNEL_TESTS_LIMIT_S), ("past 2^31", past_int32, 60)]
-    chosen = {name.lower().replace(" ", "-") for name in sys.argv[1:]}
-    results = run([s for s in sections if not chosen or s[0].lower().replace(" ", "-") in chosen])
+    by_name, chosen = {name.lower().replace(" ", "-"): (name, fn, t) for name, fn, t in sections}, set(sys.argv[1:])
+    if chosen - by_name.keys():     # in their own order whatever the command's: past 2^31 stays last
+        raise SystemExit(f"gpu_smoke: no section {sorted(chosen - by_name.keys())}; sections: {', '.join(by_name)}")
+    results = run([s for key, s in by_name.items() if not chosen or key in chosen])
     print("\n" + "\n".join(f"{name:16} {status:5} {secs:6.1f} s  {note}" for name, status, secs, note in results))
     return int(any(status != "ok" for _, status, _, _ in results))
 
