@@ -95,6 +95,10 @@ class Config:
     engine_process: bool = _f(True, "Serve with the engine core in its own process (vLLM V1's "
                               "layout); --no-engine-process steps it in a thread of the API "
                               "server (lessons, debugging). The offline LLM always steps it itself.")
+    engine_iteration_timeout_s: float = _f(60.0, "The step watchdog (vLLM's "
+                                           "VLLM_ENGINE_ITERATION_TIMEOUT_S): an engine core or a "
+                                           "TP worker silent this many seconds (a step that long, "
+                                           "a hang, a stopped process) marks the engine dead.")
     # -- data parallel (the server): one engine core per rank, vLLM's names -----
     data_parallel_size: int = _f(1, "Serve this many copies of the model, one engine core "
                                  "process each (with its own scheduler, KV cache and TP workers); "
@@ -119,8 +123,9 @@ class Config:
         _positive_int(self, "max_num_seqs")
         _positive_int(self, "max_num_batched_tokens")
         _positive_int(self, "max_waiting_requests")
-        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0 (got {self.request_timeout_s})")
+        for name in ("request_timeout_s", "engine_iteration_timeout_s"):
+            if (value := getattr(self, name)) is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (got {value})")
         _positive_int(self, "tensor_parallel_size")
         _check_data_parallel(self)
         for name in ("max_model_len", "num_kv_blocks"):
