@@ -22,6 +22,7 @@ generated from config.py, so a new field needs no code here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 
@@ -46,6 +47,8 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    import asyncio
+
     import uvicorn
 
     from nanoserve.api import build_app
@@ -58,7 +61,24 @@ def _serve(args: argparse.Namespace) -> None:
     for role, pid in engine.engine_core.processes:      # the process tree, for ps / kill / top
         print(f"nanoserve serve: {role}: pid {pid}", file=sys.stderr, flush=True)
     app = build_app(engine, args.served_model_name or config.model, args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, access_log=False)   # api.py logs requests
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           access_log=False))   # api.py logs requests
+    with contextlib.suppress(KeyboardInterrupt):    # Ctrl-C: shut down quietly, as uvicorn.run
+        asyncio.run(_serve_until_engine_death(server, engine, args.keep_alive_on_engine_death))
+    if engine.dead_error is not None:
+        sys.exit(f"nanoserve serve: exiting, the engine is dead: {engine.dead_error}")
+
+
+async def _serve_until_engine_death(server, engine, keep_alive: bool) -> None:
+    """Serve until stopped or, unless `keep_alive`, until the engine dies: every engine core
+    rank, the output handler (vLLM exits too, unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH). Its open
+    streams have their error by then (AsyncLLM fails them first); a supervisor (systemd,
+    Kubernetes) restarts a server that exits, while one answering 503 forever helps nobody."""
+    def on_engine_done(_) -> None:
+        if engine.dead_error is not None and not keep_alive:
+            server.should_exit = True     # uvicorn's graceful shutdown: open streams end first
+    engine.run_output_handler().add_done_callback(on_engine_done)  # now: an idle death counts
+    await server.serve()
 
 
 def _trace(args: argparse.Namespace) -> None:
@@ -134,6 +154,9 @@ def _add_serve(sub) -> None:
     srv.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
     srv.add_argument("--served-model-name", default=None,
                      help="The model name clients send (default: MODEL as given).")
+    srv.add_argument("--keep-alive-on-engine-death", action="store_true",
+                     help="Keep serving (/health 503) when the engine dies; by default the "
+                     "server exits with status 1 then, for its supervisor to restart it.")
     Config.add_cli_args(srv, skip=("model",))
     srv.set_defaults(func=_serve)
 

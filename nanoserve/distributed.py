@@ -60,7 +60,7 @@ SINGLE = TensorParallel()
 
 
 def free_port() -> int:
-    """A TCP port on loopback nobody listens on now, for the group's rendezvous."""
+    """A TCP port on loopback nobody listens on now (for the scripts' and tests' servers)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -106,7 +106,13 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     """Join the group as `rank` and return this rank's device: on CUDA one GPU per rank and
     NCCL; on CPU gloo, with the cores shared out among every rank of every engine core of this
     host (N ranks each using every core would fight over them: on 2 cores with N=2, one
-    thread each)."""
+    thread each). Every rank is on this host, so the group's own sockets listen on loopback
+    only: gloo would take the address the hostname resolves to, NCCL's bootstrap the first
+    network interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, when set, still win)."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = "lo0" if "lo0" in names else "lo"      # BSD and macOS, Linux
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
     if device == "cuda":
         index = cuda_device_for_rank(rank, size, torch.cuda.device_count(), _launcher_local_rank(rank))
         torch.cuda.set_device(index)

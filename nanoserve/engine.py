@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import multiprocessing
 import time
 from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
@@ -263,8 +264,7 @@ class AsyncLLM:
                 f"{self.config.max_waiting_requests}); retry later")
         text, ids = self.processor.prompt_token_ids(prompt)
         children = self.processor.make_requests(request_id, ids, sampling_params, priority)
-        if self._output_task is None:
-            self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
+        self.run_output_handler()
         stream = self._streams[request_id] = asyncio.Queue()
         self.output_processor.add_request(request_id, children)
         self.num_prompt_tokens_total += len(ids) * len(children)
@@ -290,6 +290,15 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished:       # the consumer went away (client disconnected): free it all
                 self.engine_core.send("abort", children_ids)
+
+    def run_output_handler(self) -> asyncio.Task:
+        """The task of `_handle_outputs`, started on the running loop if it is not yet (vLLM's
+        `_run_output_handler`): at the first request, or when a server starts (cli.py), so that
+        an engine core that dies while no request is open is seen too. It ends when the engine
+        is dead (or at shutdown)."""
+        if self._output_task is None:
+            self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
+        return self._output_task
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Processor.compile_grammar in a thread: a new grammar may take a while to compile, and
@@ -346,6 +355,7 @@ class AsyncLLM:
                 f"the engine's output handler failed: {type(e).__name__}: {e}")
             for stream in self._streams.values():
                 stream.put_nowait(self.dead_error)
+            multiprocessing.active_children()    # reaps an engine core that exited: no zombie
 
     def _fail(self, child_id: str, error: Exception) -> None:
         if (request_id := self.output_processor.parent_id(child_id)) is not None:

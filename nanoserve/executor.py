@@ -16,8 +16,15 @@ Every rank, rank 0 included, has its own process, and the engine core is no memb
 torch.distributed group. Why: a process waiting inside a collective cannot notice that a peer
 died (gloo waits out its timeout, NCCL may wait forever). The engine core only waits on pipes
 and on the workers' process sentinels at once (`multiprocessing.connection.wait`), so a dead or
-failing worker is an error at once, never a hang. On a GPU it also keeps the engine core free of
-a CUDA context. The cost: the SchedulerOutput is pickled once per rank per step.
+failing worker is an error at once, never a hang; and a step with no answer within
+`engine_iteration_timeout_s` (a worker hung, or stopped) is an error too. A thread sends the
+steps, so that a worker that stops reading fills its pipe and blocks that thread, not the
+engine core. On a GPU it also keeps the engine core free of a CUDA context. The cost: the
+SchedulerOutput is pickled once per rank per step.
+
+The group meets through a file in a private directory (mode 0700, removed at `close()`), not a
+TCP port: torch's TCPStore listens on every interface whatever address the init method names
+(distributed.py keeps the group's other sockets on loopback).
 
 No orphans: workers are daemonic (stopped when the engine core exits), `close()` (also run when
 the executor is garbage-collected) stops them, and each worker exits as soon as its parent dies.
@@ -28,12 +35,19 @@ Run the tests:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import queue
+import shutil
+import tempfile
+import threading
+import time
 import weakref
 from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Optional
 
 from nanoserve.config import Config
-from nanoserve.distributed import free_port
 from nanoserve.errors import WorkerError
 from nanoserve.models.llama import shard_for_tp
 from nanoserve.model_loader import resolve_model_path
@@ -52,8 +66,14 @@ class MultiprocExecutor:
         shard_for_tp(AutoConfig.from_pretrained(resolve_model_path(config.model)),
                      config.tensor_parallel_size)
         ctx = multiprocessing.get_context("spawn")   # no forked copies of threads or CUDA state
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        # The rendezvous: a FileStore that only this user can reach (mkdtemp: mode 0700).
+        self.rendezvous_dir = tempfile.mkdtemp(prefix="nanoserve-tp-")
+        init_method = (Path(self.rendezvous_dir) / "store").as_uri()
         self.conns, self.procs, self.error = [], [], None
+        self.timeout_s = config.engine_iteration_timeout_s
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()    # steps for the sender thread
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self._outbox,
+                                           self.rendezvous_dir)
         for rank in range(config.tensor_parallel_size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=run_worker, args=(config, rank, init_method, theirs),
@@ -62,7 +82,10 @@ class MultiprocExecutor:
             theirs.close()     # only the child holds it now: its death closes the pipe
             self.conns.append(ours)
             self.procs.append(proc)
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        # One thread sends the steps: a worker that stops reading (hung, stopped) may block it
+        # on a full pipe, never the engine core, which waits for the answer under the watchdog.
+        threading.Thread(target=_send_steps, args=(self._outbox, self.conns),
+                         name="nanoserve-tp-sender", daemon=True).start()
         try:
             info: RunnerInfo = self._receive(range(len(self.procs)))[0]
         except WorkerError:
@@ -81,41 +104,54 @@ class MultiprocExecutor:
         """Send the step to every rank; return rank 0's ({request id: token}, logprobs)."""
         if self.error:
             raise WorkerError(f"tensor-parallel workers are down: {self.error}")
+        self._outbox.put(scheduler_output)
         try:
-            for rank, conn in enumerate(self.conns):
-                try:
-                    conn.send(scheduler_output)
-                except OSError:       # its end of the pipe is gone: so is it
-                    raise self._died(rank) from None
-            sampled, logprobs, timings = self._receive([0])[0]
+            sampled, logprobs, timings = self._receive([0], self.timeout_s)[0]
         except WorkerError as e:
             self.error = str(e)
+            for proc in self.procs:    # mid-step: a rank may wait in a collective, or be stopped
+                proc.kill()
             self.close()
             raise WorkerError(self.error) from None
         for name, seconds in timings.items():
             self.timings[name] += seconds
         return sampled, logprobs
 
-    def _receive(self, ranks) -> dict:
+    def _receive(self, ranks, timeout_s: Optional[float] = None) -> dict:
         """{rank: its next message} for `ranks`; WorkerError as soon as any rank reports an
-        error, dies, or closes its pipe (waiting on pipes and process sentinels together)."""
+        error, dies, or closes its pipe (waiting on pipes and process sentinels together), or
+        when `timeout_s` passes first. The step watchdog, as vLLM's MultiprocExecutor gives
+        execute_model VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: a rank hung or stopped mid-step (the
+        others then wait for it inside a collective) must not hold the engine core forever.
+        Loading the model (the "ready" message) has no timeout: it may take minutes."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         got: dict = {}
         while len(got) < len(ranks):
-            ready = wait([*self.conns, *sentinels])
-            for r, conn in enumerate(self.conns):
-                if conn not in ready:
-                    continue
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError):    # it died: its exit code says how
-                    raise self._died(r) from None
-                if kind == "error":
-                    raise WorkerError(f"tensor-parallel worker rank {r} failed: {payload}")
-                got[r] = payload
-            for s in (s for s in sentinels if s in ready):
-                raise self._died(sentinels[s])
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait([*self.conns, *sentinels], left)
+            if not ready:     # (only with a timeout)
+                raise WorkerError(f"tensor-parallel workers sent no result for {timeout_s:g} s "
+                                  f"(engine_iteration_timeout_s): a worker is hung or stopped")
+            # A rank that died first (its peers' errors are about it), after its last words.
+            dead_first = sorted(range(len(self.procs)),
+                                key=lambda r: self.procs[r].sentinel not in ready)
+            for r in dead_first:
+                if self.conns[r] in ready:
+                    got[r] = self._message(r)
+                if self.procs[r].sentinel in ready:
+                    raise self._died(r)
         return got
+
+    def _message(self, rank: int):
+        """Rank's next message; WorkerError if it is an error, or if the pipe is closed."""
+        try:
+            kind, payload = self.conns[rank].recv()
+        except (EOFError, OSError):    # it died: its exit code says how
+            raise self._died(rank) from None
+        if kind == "error":
+            raise WorkerError(f"tensor-parallel worker rank {rank} failed: {payload}")
+        return payload
 
     def _died(self, rank: int) -> WorkerError:
         proc = self.procs[rank]
@@ -128,13 +164,24 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _stop(procs, conns) -> None:
-    """Ask each worker to stop, then terminate, then kill whoever is still there."""
-    for conn in conns:
-        try:
-            conn.send(None)
-        except OSError:      # that worker is gone already
-            pass
+def _send_steps(outbox: queue.SimpleQueue, conns) -> None:
+    """The sender thread: each SchedulerOutput to every rank, in order, until None (which the
+    workers get too: stop); then it closes the pipes."""
+    while True:
+        message = outbox.get()
+        for conn in conns:
+            with contextlib.suppress(OSError):    # a worker gone: its sentinel says so
+                conn.send(message)
+        if message is None:
+            for conn in conns:
+                conn.close()
+            return
+
+
+def _stop(procs, outbox: queue.SimpleQueue, rendezvous_dir: str) -> None:
+    """Ask each worker to stop, then terminate, then kill whoever is still there; remove the
+    rendezvous directory."""
+    outbox.put(None)
     for proc in procs:
         proc.join(JOIN_TIMEOUT_S)
         if proc.is_alive():
@@ -143,5 +190,4 @@ def _stop(procs, conns) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    for conn in conns:
-        conn.close()
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)

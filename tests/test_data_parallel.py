@@ -211,8 +211,8 @@ def wait_all_gone(pids, seconds: float = 15.0) -> None:
 
 
 def test_dp2_tp2_seven_processes_a_dead_rank_fails_its_streams_and_sigterm_stops_all(oracle):
-    with serve_process(oracle.path, "--data-parallel-size", "2",
-                       "--tensor-parallel-size", "2") as (proc, roles, url):
+    with serve_process(oracle.path, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                       "--keep-alive-on-engine-death") as (proc, roles, url):   # to see the 503
         assert len(roles) == 1 + 2 + 2 * 2, roles          # API + DP + DP x TP
         assert {f"engine core {d} worker rank {r}" for d in (0, 1) for r in (0, 1)} < roles.keys()
         tree = _descendants(proc.pid)
