@@ -62,6 +62,9 @@ class Processor:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The text's token ids; ValueError naming `prompt` for a text too long to ever fit."""
+        if self.tokenizer is None:
+            raise ValueError("prompt must be {'prompt_token_ids': [...]} when "
+                             "skip_tokenizer_init is set (no tokenizer to encode text)")
         if len(text) > self.max_prompt_chars:
             raise ValueError(f"prompt is {len(text)} characters, more than max_model_len "
                              f"({self.config.max_model_len}) tokens can hold "
@@ -70,9 +73,6 @@ class Processor:
 
     def prompt_token_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt must be {'prompt_token_ids': [...]} when "
-                                 "skip_tokenizer_init is set (no tokenizer to encode text)")
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]

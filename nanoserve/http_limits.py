@@ -61,7 +61,8 @@ class H11Protocol(UvicornH11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._await_head()            # the next request on this connection gets its own deadline
+        if not self.transport.is_closing():
+            self._await_head()        # the next request on this connection gets its own deadline
 
     def connection_lost(self, exc) -> None:
         self._head_timer.cancel()

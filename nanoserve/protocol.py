@@ -46,7 +46,7 @@ MAX_N = 128     # completions per prompt: OpenAI's own bound
 # characters each is 16 times OpenAI's limit of 4 and far above what clients send, yet keeps that
 # search small. stop_token_ids get the same count (the scheduler tests each new token against them).
 MAX_STOP, MAX_STOP_CHARS = 64, 1024
-MAX_JSON_DEPTH = 64     # no schema nests a tenth as deep; json.loads recurses: checked first
+MAX_JSON_DEPTH = 64     # a response_format schema takes 2 levels per object in it: ~30 fit
 
 
 # -- the body: strict JSON, shallow --------------------------------------------------------
