@@ -1,9 +1,11 @@
 """api.py: the OpenAI-compatible HTTP server (`nanoserve serve`), in the engine's language.
 
-A request: check the API key, read at most MAX_BODY_BYTES, parse JSON, check each field's type
-(SamplingParams checks the ranges), apply the chat template, tokenize, refuse a prompt +
-max_tokens beyond max_model_len: any failure is OpenAI's error JSON and nothing reaches the
-engine. Then one `AsyncLLM.generate` stream per prompt (choice k of prompt i is choice i * n + k),
+A request: check the Host header and origin (http_limits.py), the API key, that the body is
+`application/json`; read at most MAX_BODY_BYTES, parse strict JSON, check each field's type
+(SamplingParams checks the ranges), apply the chat template and tokenize on the tokenizer's
+thread, refuse a prompt + max_tokens beyond max_model_len: any failure is OpenAI's error JSON
+(naming no other client's request) and nothing reaches the engine. Then one
+`AsyncLLM.generate` stream per prompt (choice k of prompt i is choice i * n + k),
 drained by tasks into one queue (`Generation`, which also times tokens for /metrics), answered as
 one JSON body or as Server-Sent Events. A client that leaves cancels the drain tasks; cancelling
 `generate` aborts the request, whose blocks the engine frees before its next step.
@@ -21,7 +23,7 @@ import json
 import secrets
 import time
 import uuid
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -36,25 +38,13 @@ from starlette.routing import Route
 from nanoserve.engine import AsyncLLM
 from nanoserve.errors import (EngineDeadError, EngineOverloadedError, EngineStepError,
                               RequestTimeoutError)
+from nanoserve.http_limits import LOOPBACK_HOSTS, http_middleware
 from nanoserve.output_processor import CompletionOutput
-from nanoserve.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, is_type, param_of,
-                                parse_body, sampling_params_of)
+from nanoserve.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, api_error_of, is_type,
+                                loads_body, own_ids_only, parse_body, sampling_params_of)
 from nanoserve.sampling_params import SamplingParams
 
 MAX_BODY_BYTES = 8 * 1024 * 1024     # 413 above this: ~1M token ids of JSON, far past any prompt
-
-
-def _api_error(e: Exception) -> APIError:
-    """400: refused up front; 408: over request_timeout_s; 500: a failed step (the engine goes
-    on), or the engine (a data-parallel rank) stopped under the request; 503: too many waiting
-    (retry soon). A request that comes once the engine has stopped is a 503 (`_generate`)."""
-    if isinstance(e, EngineOverloadedError):
-        return APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
-    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500,
-              EngineDeadError: 500}.get(type(e), 503)
-    return APIError(status, str(e), param_of(e))
-
-
 # -- one HTTP request's generation ---------------------------------------------------------
 class Generation:
     """One HTTP request's engine streams (one per prompt) merged into one stream of deltas, whose
@@ -97,7 +87,7 @@ class Generation:
         except (ValueError, EngineStepError, EngineDeadError, EngineOverloadedError,
                 RequestTimeoutError) as e:
             self.status = "error"
-            self._queue.put_nowait((i, _api_error(e)))
+            self._queue.put_nowait((i, api_error_of(e, self.request_id)))
 
     async def _next(self):
         i, item = await self._queue.get()
@@ -184,7 +174,8 @@ async def _error(request: Request, exc: APIError | HTTPException) -> Response:
 class OpenAIServer(Starlette):
     """The app: routes to the handlers below; it shuts the engine down when the server stops."""
 
-    def __init__(self, engine: AsyncLLM, model_name: str, api_key: Optional[str]):
+    def __init__(self, engine: AsyncLLM, model_name: str, api_key: Optional[str],
+                 allowed_hosts: Sequence[str], allowed_origins: Sequence[str]):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.config.max_model_len
         self.console, self.created = Console(stderr=True), int(time.time())
@@ -208,10 +199,11 @@ class OpenAIServer(Starlette):
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/health", lambda request: Response() if engine.dead_error is None   # 503 and
-                  else APIError(503, str(engine.dead_error)).response()),   # why (which rank)
+                  else APIError(503, own_ids_only(str(engine.dead_error))).response()),   # why
             Route("/metrics", lambda request: Response(generate_latest(self.registry),
                                                        media_type=CONTENT_TYPE_LATEST)),
-        ], lifespan=lifespan, exception_handlers={APIError: _error, HTTPException: _error})
+        ], lifespan=lifespan, exception_handlers={APIError: _error, HTTPException: _error},
+            middleware=http_middleware(allowed_hosts, allowed_origins))
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is not None and not secrets.compare_digest(
@@ -221,15 +213,17 @@ class OpenAIServer(Starlette):
 
     async def _read(self, request: Request, schema: dict, required: tuple[str, ...]) -> dict:
         self._authorize(request)
+        # JSON only: a browser sends a text/plain or form POST cross-site without asking first.
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise APIError(415, "the request body must be JSON, sent with 'Content-Type: "
+                           f"application/json' (got {media_type or 'none'!r:.80})")
         raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > MAX_BODY_BYTES:
                 raise APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes")
-        try:
-            body = parse_body(json.loads(raw), schema, required)
-        except ValueError as e:           # not JSON, or not UTF-8
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        body = parse_body(loads_body(bytes(raw)), schema, required)
         if body["model"] != self.model_name:
             raise APIError(404, f"the model {body['model']!r} does not exist; this server serves "
                            f"{self.model_name!r}", "model", "model_not_found")
@@ -245,6 +239,26 @@ class OpenAIServer(Starlette):
                            f"(max_model_len {self.max_model_len})", "max_tokens" if max_tokens
                            else param)
 
+    def _check_sequences(self, num_prompts: int, n: int) -> None:
+        """prompts x n sequences in one request: over max_waiting_requests it could never be
+        admitted (admission counts sequences), so it is a 400 before any tokenizing."""
+        limit = self.engine.config.max_waiting_requests
+        if num_prompts * n > limit:
+            raise APIError(400, f"{num_prompts} prompt(s) x n {n} = {num_prompts * n} sequences "
+                           f"in one request, over max_waiting_requests ({limit})",
+                           "n" if n > 1 else "prompt")
+
+    def _encode(self, prompt: str | list[int], max_tokens: Optional[int], param: str,
+                add_special_tokens: bool = True) -> list[int]:
+        """A prompt's token ids, checked to fit (a text is encoded: on the tokenizer's thread)."""
+        try:
+            ids = prompt if isinstance(prompt, list) else self.engine.processor.encode(
+                prompt, add_special_tokens)
+        except ValueError as e:           # a text too long to ever fit
+            raise APIError(400, str(e), param) from None
+        self._check_length(ids, max_tokens, param)
+        return ids
+
     async def completions(self, request: Request) -> Response:
         body = await self._read(request, COMPLETION_FIELDS, ("model", "prompt"))
         if body.get("echo") and "logprobs" in body:   # it would need the prompt's logprobs
@@ -252,14 +266,14 @@ class OpenAIServer(Starlette):
         params = sampling_params_of(body, logprobs=body.get("logprobs"))
         prompt = body["prompt"]           # one prompt, or a batch of them
         prompts = [prompt] if isinstance(prompt, str) or is_type(prompt, "array of integer") else prompt
-        if len(prompts) > self.engine.config.max_waiting_requests:
-            raise APIError(400, f"{len(prompts)} prompts in one request, over max_waiting_requests "
-                           f"({self.engine.config.max_waiting_requests})", "prompt")
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
-        for p in ids:
-            self._check_length(p, params.max_tokens, "prompt")
-        echo = {i * params.n + k: p if isinstance(p, str) else self.tokenizer.decode(p)
-                for i, p in enumerate(prompts) for k in range(params.n)} if body.get("echo") else {}
+        self._check_sequences(len(prompts), params.n)
+
+        def encode() -> tuple[list[list[int]], dict[int, str]]:   # on the tokenizer's thread
+            ids = [self._encode(p, params.max_tokens, "prompt") for p in prompts]
+            return ids, {i * params.n + k: p if isinstance(p, str) else self.tokenizer.decode(p)
+                         for i, p in enumerate(prompts) for k in range(params.n)
+                         } if body.get("echo") else {}
+        ids, echo = await self.engine.run_in_tokenizer_thread(encode)
         sent: dict[int, int] = {}        # choice index -> characters sent (for text_offset)
 
         def choice(c: CompletionOutput, streaming: bool) -> dict:
@@ -281,13 +295,16 @@ class OpenAIServer(Starlette):
         if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                    for m in body["messages"]):
             raise APIError(400, "each message needs a string 'role' and 'content'", "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True,
-                                                      tokenize=False)
-        except (ValueError, TemplateError) as e:   # no template, or one that refuses these roles
-            raise APIError(400, f"the chat template failed: {e}", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)   # the template has the BOS
-        self._check_length(ids, params.max_tokens, "messages")
+        self._check_sequences(1, params.n)
+
+        def encode() -> list[int]:       # on the tokenizer's thread
+            try:
+                text = self.tokenizer.apply_chat_template(body["messages"], tokenize=False,
+                                                          add_generation_prompt=True)
+            except (ValueError, TemplateError) as e:   # no template, or one refusing these roles
+                raise APIError(400, f"the chat template failed: {e}", "messages") from None
+            return self._encode(text, params.max_tokens, "messages", add_special_tokens=False)
+        ids = await self.engine.run_in_tokenizer_thread(encode)   # (the template has the BOS)
         role = [{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for k in range(params.n)]   # the first delta of each choice
         return await self._generate(
@@ -334,7 +351,7 @@ class OpenAIServer(Starlette):
             yield "data: [DONE]\n\n"
 
         if self.engine.dead_error is not None:     # nothing will run: unavailable, as /health says
-            raise APIError(503, str(self.engine.dead_error))
+            raise APIError(503, own_ids_only(str(self.engine.dead_error), request_id))
         generation = Generation(self, request, request_id, prompts, params)
         try:
             whole = await (generation.start() if stream else generation.collect())
@@ -373,7 +390,10 @@ class OpenAIServer(Starlette):
             "owned_by": "nanoserve", "max_model_len": self.max_model_len}]})
 
 
-def build_app(engine: AsyncLLM, served_model_name: str, api_key: Optional[str] = None) -> Starlette:
+def build_app(engine: AsyncLLM, served_model_name: str, api_key: Optional[str] = None,
+              allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+              allowed_origins: Sequence[str] = ()) -> Starlette:
     """The app serving `engine` as `served_model_name`; with `api_key`, /v1/* needs
-    `Authorization: Bearer <api_key>`."""
-    return OpenAIServer(engine, served_model_name, api_key)
+    `Authorization: Bearer <api_key>`. It answers Host headers naming `allowed_hosts` only
+    (["*"]: any), and cross-origin browser calls from `allowed_origins` only (http_limits.py)."""
+    return OpenAIServer(engine, served_model_name, api_key, allowed_hosts, allowed_origins)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
+import os
 import sys
 
 from nanoserve.config import DEFAULT_MODEL, Config
@@ -48,11 +50,13 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     import asyncio
+    import functools
 
     import uvicorn
 
     from nanoserve.api import build_app
     from nanoserve.engine import AsyncLLM
+    from nanoserve.http_limits import LOOPBACK_HOSTS, H11Protocol, is_loopback
     config = Config.from_cli_args(args)
     if config.headless:              # engine cores only, for an API server on another host
         from nanoserve.core_client import run_headless
@@ -60,9 +64,13 @@ def _serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(**vars(config))
     for role, pid in engine.engine_core.processes:      # the process tree, for ps / kill / top
         print(f"nanoserve serve: {role}: pid {pid}", file=sys.stderr, flush=True)
-    app = build_app(engine, args.served_model_name or config.model, args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           access_log=False))   # api.py logs requests
+    allowed_hosts = args.allowed_hosts or (LOOPBACK_HOSTS if is_loopback(args.host) else ["*"])
+    app = build_app(engine, args.served_model_name or config.model, args.api_key, allowed_hosts,
+                    args.allowed_origins)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, access_log=False,   # api.py logs requests
+        http=functools.partial(H11Protocol, timeout_request_head=args.timeout_request_head),
+        limit_concurrency=args.limit_concurrency, timeout_keep_alive=args.timeout_keep_alive))
     with contextlib.suppress(KeyboardInterrupt):    # Ctrl-C: shut down quietly, as uvicorn.run
         asyncio.run(_serve_until_engine_death(server, engine, args.keep_alive_on_engine_death))
     if engine.dead_error is not None:
@@ -79,6 +87,14 @@ async def _serve_until_engine_death(server, engine, keep_alive: bool) -> None:
             server.should_exit = True     # uvicorn's graceful shutdown: open streams end first
     engine.run_output_handler().add_done_callback(on_engine_done)  # now: an idle death counts
     await server.serve()
+
+
+def _list_arg(value: str) -> list[str]:
+    """A JSON list (vLLM's form: '["https://a.example"]') or comma-separated names."""
+    names = json.loads(value) if value.lstrip().startswith("[") else value.split(",")
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"expected a list of names (got {value!r})")
+    return names
 
 
 def _trace(args: argparse.Namespace) -> None:
@@ -151,14 +167,34 @@ def _add_serve(sub) -> None:
                      help=Config.__dataclass_fields__["model"].metadata["help"])
     srv.add_argument("--host", default="127.0.0.1", help="Address to bind (loopback by default).")
     srv.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    srv.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/*.")
+    srv.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY") or None,
+                     help="Require 'Authorization: Bearer KEY' on /v1/* (default: the "
+                     "NANOSERVE_API_KEY environment variable, which `ps` does not show).")
     srv.add_argument("--served-model-name", default=None,
                      help="The model name clients send (default: MODEL as given).")
     srv.add_argument("--keep-alive-on-engine-death", action="store_true",
                      help="Keep serving (/health 503) when the engine dies; by default the "
                      "server exits with status 1 then, for its supervisor to restart it.")
+    _add_http_limits(srv)
     Config.add_cli_args(srv, skip=("model",))
     srv.set_defaults(func=_serve)
+
+
+def _add_http_limits(srv) -> None:
+    http = srv.add_argument_group("HTTP limits (uvicorn's, and who may call)")
+    http.add_argument("--allowed-origins", type=_list_arg, default=[], help="Web origins whose "
+                      "pages may call the API from a browser (CORS), as a JSON list or comma-"
+                      "separated; '*' for any. Default: none.")
+    http.add_argument("--allowed-hosts", type=_list_arg, default=None, help="Host header names "
+                      "answered (others get 400); '*' for any. Default: loopback names when "
+                      "--host is loopback (no DNS rebinding), else any.")
+    http.add_argument("--limit-concurrency", type=int, default=1024, help="Open connections "
+                      "(or requests in progress) beyond which new requests get HTTP 503.")
+    http.add_argument("--timeout-keep-alive", type=int, default=5, help="Seconds an idle "
+                      "connection stays open after a response.")
+    http.add_argument("--timeout-request-head", type=float, default=10.0, help="Seconds a "
+                      "connection may take to send a request's line and headers (from opening, or "
+                      "from its previous response) before it is closed.")
 
 
 def _add_trace(sub) -> None:

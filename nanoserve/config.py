@@ -84,8 +84,9 @@ class Config:
         "proposes up to num_speculative_tokens tokens by looking the last 2-5 tokens up in the "
         "request's own prompt and output, and verifies them in one step (lessons/08).")
     # -- admission (the server) ------------------------------------------------
-    max_waiting_requests: int = _f(512, "Requests the server holds that have not produced a "
-                                   "token yet; beyond it new ones get HTTP 503 with Retry-After.")
+    max_waiting_requests: int = _f(512, "Sequences (prompts x n) the server holds that have "
+                                   "not produced a token yet; beyond it new requests get HTTP 503 "
+                                   "with Retry-After, and one asking for more alone gets 400.")
     request_timeout_s: Optional[float] = _f(None, "Abort a request still unfinished after this "
                                             "many seconds; its client is told why.")
     trace: Optional[str] = _f(None, "Write a JSONL trace of every step to this path.")

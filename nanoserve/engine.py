@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import multiprocessing
 import time
-from typing import AsyncIterator, Iterator, Optional, Sequence, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.core_client import InprocClient, MPClient
@@ -36,6 +38,7 @@ from nanoserve.sampling_params import SamplingParams
 from nanoserve.structured_output import compile_grammar, grammar_compiler
 
 PromptType = Union[str, dict]
+T = TypeVar("T")
 
 
 class Processor:
@@ -52,13 +55,26 @@ class Processor:
         self.eos_token_id = gen_eos[0] if gen_eos else fallback_eos
         # Extra EOS ids (e.g. Llama 3's <|eot_id|>) stop generation unless ignore_eos.
         self.extra_eos_ids = [t for t in gen_eos if t != self.eos_token_id]
+        # No token stands for more characters than the vocabulary's longest entry (added tokens
+        # too; a byte-level entry has one character per byte), so a text longer than
+        # max_model_len of them cannot fit: it is refused before the tokenizer spends seconds on it.
+        self.max_prompt_chars = None if tokenizer is None else (
+            config.max_model_len * max(map(len, tokenizer.get_vocab())))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; ValueError naming `prompt` for a text too long to ever fit."""
+        if self.tokenizer is None:
+            raise ValueError("prompt must be {'prompt_token_ids': [...]} when "
+                             "skip_tokenizer_init is set (no tokenizer to encode text)")
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"prompt is {len(text)} characters, more than max_model_len "
+                             f"({self.config.max_model_len}) tokens can hold "
+                             f"({self.max_prompt_chars} characters at most)")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def prompt_token_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt must be {'prompt_token_ids': [...]} when "
-                                 "skip_tokenizer_init is set (no tokenizer to encode text)")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
@@ -245,31 +261,37 @@ class AsyncLLM:
         self._streams: dict[str, asyncio.Queue] = {}    # request id -> its outputs
         self._output_task: Optional[asyncio.Task] = None
         self.num_prompt_tokens_total = 0
-        self._not_started: set[str] = set()   # admitted, no output yet: what admission bounds
+        # Admitted, no output yet: request id -> its sequences (n); admission bounds their sum.
+        self._not_started: dict[str, int] = {}
         self.num_requests_rejected_total = self.num_requests_timed_out_total = 0
+        # One thread for the tokenizer and chat templates, as vLLM's server has: the event loop
+        # serves on while a long prompt is encoded, and a fast tokenizer must not be called
+        # from two threads at once (it raises "Already borrowed").
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer")
+
+    async def run_in_tokenizer_thread(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on the tokenizer's thread, off the event loop, in arrival order."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, functools.partial(fn, *args, **kwargs))
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yield a RequestOutput each time the request gains text, the last one finished.
         Raises ValueError (before anything reaches the engine) for a request that cannot run."""
         await self.compile_grammar(sampling_params)
+        text, ids = await self.run_in_tokenizer_thread(self.processor.prompt_token_ids, prompt)
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if len(self._not_started) >= self.config.max_waiting_requests:
-            self.num_requests_rejected_total += 1
-            raise EngineOverloadedError(
-                f"{len(self._not_started)} requests are already waiting (max_waiting_requests "
-                f"{self.config.max_waiting_requests}); retry later")
-        text, ids = self.processor.prompt_token_ids(prompt)
         children = self.processor.make_requests(request_id, ids, sampling_params, priority)
+        self._check_admission(len(children))
         self.run_output_handler()
         stream = self._streams[request_id] = asyncio.Queue()
         self.output_processor.add_request(request_id, children)
         self.num_prompt_tokens_total += len(ids) * len(children)
         self.engine_core.send("add", children)
-        self._not_started.add(request_id)
+        self._not_started[request_id] = len(children)
         timeout = self.config.request_timeout_s     # one timer per request, not one per token
         timer = timeout and asyncio.get_running_loop().call_later(
             timeout, self._time_out, request_id, stream, timeout)
@@ -279,13 +301,13 @@ class AsyncLLM:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     raise item
-                self._not_started.discard(request_id)
+                self._not_started.pop(request_id, None)
                 finished = item.finished
                 yield RequestOutput(request_id, text, ids, item.outputs, finished)
         finally:
             if timer:
                 timer.cancel()
-            self._not_started.discard(request_id)
+            self._not_started.pop(request_id, None)
             children_ids = self.output_processor.remove(request_id)
             self._streams.pop(request_id, None)
             if not finished:       # the consumer went away (client disconnected): free it all
@@ -299,6 +321,20 @@ class AsyncLLM:
         if self._output_task is None:
             self._output_task = asyncio.get_running_loop().create_task(self._handle_outputs())
         return self._output_task
+
+    def _check_admission(self, num_seqs: int) -> None:
+        """Admission counts sequences, not requests (n = 128 is 128 of them): past
+        max_waiting_requests waiting ones, EngineOverloadedError (503, retry); a request that
+        alone is more than that could never be admitted, so it is a ValueError (400)."""
+        limit, waiting = self.config.max_waiting_requests, sum(self._not_started.values())
+        if num_seqs > limit:
+            raise ValueError(f"n ({num_seqs}) is over max_waiting_requests ({limit}): the "
+                             "request could never be admitted")
+        if waiting + num_seqs > limit:
+            self.num_requests_rejected_total += 1
+            raise EngineOverloadedError(
+                f"{waiting} sequences are already waiting, {num_seqs} more would pass "
+                f"max_waiting_requests ({limit}); retry later")
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Processor.compile_grammar in a thread: a new grammar may take a while to compile, and
@@ -333,6 +369,7 @@ class AsyncLLM:
             self._output_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._output_task
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()
 
     async def _handle_outputs(self) -> None:

@@ -1,6 +1,8 @@
-"""protocol.py: the OpenAI request schemas the server accepts, and OpenAI's error JSON.
+"""protocol.py: the OpenAI request schemas the server accepts, and OpenAI's error JSON (the
+engine's errors mapped onto it: `api_error_of`).
 
-Each endpoint's body is checked field by field against a small schema (field -> JSON type, e.g.
+A body is strict JSON (`loads_body`: no NaN or Infinity, nested at most MAX_JSON_DEPTH deep),
+checked field by field against a small schema (field -> JSON type, e.g.
 "string | array of integer"); an unknown field, a wrong type or a missing required field is an
 `APIError` (HTTP 400) naming the field. The values' ranges are SamplingParams' to check.
 
@@ -12,10 +14,15 @@ Lesson: lessons/01-the-map.md
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Optional
 
+import numpy as np
 from starlette.responses import JSONResponse
 
+from nanoserve.errors import (EngineDeadError, EngineOverloadedError, EngineStepError,
+                              RequestTimeoutError)
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams, is_int, is_num
 
 
@@ -35,6 +42,40 @@ class APIError(Exception):
 
 
 MAX_N = 128     # completions per prompt: OpenAI's own bound
+# Stop strings are searched for in every new piece of every choice's text: 64 strings of 1,024
+# characters each is 16 times OpenAI's limit of 4 and far above what clients send, yet keeps that
+# search small. stop_token_ids get the same count (the scheduler tests each new token against them).
+MAX_STOP, MAX_STOP_CHARS = 64, 1024
+MAX_JSON_DEPTH = 64     # a response_format schema takes 2 levels per object in it: ~30 fit
+
+
+# -- the body: strict JSON, shallow --------------------------------------------------------
+_BRACKET_STEP = np.zeros(256, np.int8)
+_BRACKET_STEP[list(b"[{")], _BRACKET_STEP[list(b"]}")] = 1, -1
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep a JSON text nests arrays and objects, without parsing it: brackets inside strings
+    do not count (escaped characters dropped first, then each quote flips in/out of a string).
+    Vectorized: an 8 MiB body takes a fraction of a second, never a deep recursion."""
+    text = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    outside = np.bitwise_xor.accumulate(text == ord('"')) == 0
+    return int(np.cumsum(_BRACKET_STEP[text] * outside, dtype=np.int32).max(initial=0))
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads_body(raw: bytes):
+    """The request body's JSON; APIError 400 for text that is not strict JSON (NaN, Infinity and
+    -Infinity are Python's extensions) or nests deeper than MAX_JSON_DEPTH (no RecursionError)."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and json_depth(raw) > MAX_JSON_DEPTH:
+        raise APIError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except ValueError as e:           # not JSON, not UTF-8, or NaN / Infinity
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
 
 
 # -- request schemas: field -> JSON type ("array of t", "a | b") ---------------------------
@@ -83,9 +124,39 @@ def param_of(error: Exception) -> Optional[str]:
     return word if word in COMPLETION_FIELDS or word in CHAT_FIELDS else None
 
 
+# The ids api.py gives requests ("cmpl-<hex>"), as the engine's messages may hold them: a
+# prompt's ("-0"), a choice's ("3_").
+_REQUEST_ID = re.compile(r"(?:\d+_)?(?:chatcmpl|cmpl)-[0-9a-f]{32}(?:-\d+)?")
+
+
+def own_ids_only(message: str, request_id: Optional[str] = None) -> str:
+    """An engine error's text may name any request of a failed step: keep the client's own
+    (`request_id`), and say "another request" for the others'."""
+    return _REQUEST_ID.sub(lambda m: m.group() if request_id and request_id in m.group()
+                           else "another request", message)
+
+
+def api_error_of(e: Exception, request_id: str) -> APIError:
+    """400: refused up front; 408: over request_timeout_s; 500: a failed step (the engine goes
+    on), or the engine (a data-parallel rank) stopped under the request; 503: too many waiting
+    (retry soon). A request that comes once the engine has stopped is a 503 (api.py)."""
+    if isinstance(e, EngineOverloadedError):
+        return APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
+    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500,
+              EngineDeadError: 500}.get(type(e), 503)
+    return APIError(status, own_ids_only(str(e), request_id), param_of(e))
+
+
 def sampling_params_of(body: dict, **overrides) -> SamplingParams:
     if is_int(body.get("n")) and body["n"] > MAX_N:
         raise APIError(400, f"n must be <= {MAX_N} (got {body['n']})", "n")
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+    for name, values in (("stop", stop), ("stop_token_ids", body.get("stop_token_ids") or [])):
+        if len(values) > MAX_STOP:
+            raise APIError(400, f"{name} must hold at most {MAX_STOP} items (got {len(values)})",
+                           name)
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"stop strings must be at most {MAX_STOP_CHARS} characters", "stop")
     structured = structured_outputs_of(body)
     try:
         return SamplingParams(**{**{k: body[k] for k in _SAMPLING if k in body},

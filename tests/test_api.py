@@ -163,7 +163,9 @@ def test_chat_stream_logprobs_and_models(server):
 
 
 def raw(server, body, path="/v1/completions", key=KEY, **kwargs):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     if not isinstance(body, bytes):
         body = json.dumps(body).encode()
     return httpx.post(server.url + path, content=body, headers=headers, **kwargs)
@@ -172,7 +174,7 @@ def raw(server, body, path="/v1/completions", key=KEY, **kwargs):
 OK = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
 ERRORS = [  # (body, path, status, param)
     (b"{not json", "/v1/completions", 400, None),
-    (b'{"model": "tiny", "prompt": "a", "top_p": NaN}', "/v1/completions", 400, "top_p"),
+    (b'{"model": "tiny", "prompt": "a", "top_p": NaN}', "/v1/completions", 400, None),  # not JSON
     (b'\xff', "/v1/completions", 400, None),
     ([1, 2], "/v1/completions", 400, None),
     ({"model": MODEL}, "/v1/completions", 400, "prompt"),

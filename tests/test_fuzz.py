@@ -1,7 +1,8 @@
 """Fuzzing the HTTP API: hypothesis-made JSON bodies (wrong types, huge and negative numbers,
-unicode, nested junk, empty arrays, float and out-of-range token ids) against every endpoint of
-a live server on loopback. Whatever arrives: never a 500, every error is OpenAI's JSON, the
-engine keeps serving, and afterwards no request runs and no KV block is held.
+unicode, nested junk, bodies nested thousands deep, empty arrays, NaN and Infinity, float and
+out-of-range token ids) against every endpoint of a live server on loopback. Whatever arrives:
+never a 500, every error is OpenAI's JSON, the engine keeps serving, and afterwards no request
+runs and no KV block is held.
 
     python -m pytest -q tests/test_fuzz.py
 """
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanoserve import AsyncLLM
+from nanoserve.protocol import MAX_JSON_DEPTH
 from test_api import serve
 
 CONFIG = dict(max_model_len=128, block_size=16, num_kv_blocks=32, device="cpu")
@@ -107,6 +109,23 @@ def test_raw_bytes_on_every_endpoint_never_500(server, raw, path, method):
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
         assert response.json()["error"]["message"]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depth=st.integers(1, 6000), brackets=st.sampled_from(["[]", "{}"]),
+       field=st.sampled_from(["prompt", "stop", "n", "stream_options", "messages"]),
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_deep_nesting_never_500(server, depth, brackets, field, path):
+    """Arrays or objects nested up to 6,000 deep in any field (json.loads recurses): a 400 past
+    MAX_JSON_DEPTH levels, never a RecursionError's 500."""
+    client, _ = server
+    start, end = ("[", "]") if brackets == "[]" else ('{"a": ', "}")
+    raw = f'{{"model": "nanoserve-tiny", "{field}": {start * depth}1{end * depth}}}'.encode()
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    check(response)
+    if depth + 1 > MAX_JSON_DEPTH:
+        assert response.status_code == 400 and "nests deeper" in response.json()["error"]["message"]
 
 
 def test_server_still_serves_after_fuzzing(server):
