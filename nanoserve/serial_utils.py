@@ -208,6 +208,7 @@ class FrameCodec:
         self._counter = 0
         self._last_counter: dict[bytes, int] = {}      # session + channel -> last counter taken
         self._dropped, self._next_log = 0, 0.0
+        self.num_dropped_total = 0
 
     def encode(self, channel: bytes, message, session: bytes) -> bytes:
         self._counter += 1
@@ -244,7 +245,7 @@ class FrameCodec:
         return mac.digest()
 
     def drop(self, why: str) -> None:
-        self._dropped += 1
+        self._dropped, self.num_dropped_total = self._dropped + 1, self.num_dropped_total + 1
         if (now := time.monotonic()) >= self._next_log:
             logging.getLogger("nanoserve").warning(
                 "nanoserve: dropped %d frame(s) on the engine-core socket, the last: %s",
@@ -290,6 +291,10 @@ class ServerCodec:
         self._sessions: dict[int, bytes] = {}
         self.ready: dict[int, Ready] = {}
         self.drop = self._codec.drop
+
+    @property
+    def num_dropped_total(self) -> int:
+        return self._codec.num_dropped_total
 
     def encode(self, rank: int, kind: str, payload: list) -> list[bytes]:
         """The ROUTER's frames (identity, signed message) that take ("add", [Request]) or
