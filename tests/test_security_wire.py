@@ -10,6 +10,8 @@ when wrong, never in a trace), and the watchdog (a SIGSTOPped engine core is dea
     python -m pytest -q tests/test_security_wire.py
 """
 
+import dataclasses
+import inspect
 import json
 import os
 import pickle
@@ -81,7 +83,8 @@ def dp_server(tmp_path_factory):
 
 
 def send_raw(port: int, identity, *frames: bytes) -> None:
-    """One message from a raw DEALER (the attacker), with the identity it chooses."""
+    """One message from a raw DEALER (the attacker), with the identity it chooses (the ROUTER
+    refuses a second peer with an identity in use: each message of a test has its own)."""
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     if identity is not None:
@@ -126,13 +129,13 @@ def test_a_pickled_payload_never_runs(dp_server, tmp_path):
 
 
 def test_garbage_bytes_are_dropped(dp_server):
-    attack(dp_server, (b"01", b"\x80\x05garbage, not a message"), (b"01", b""),
-           (b"01", os.urandom(200)))
+    attack(dp_server, (b"01", b"\x80\x05garbage, not a message"), (b"001", b""),
+           (b"+01", os.urandom(200)))
 
 
 def test_identities_that_are_no_rank_are_dropped(dp_server):
     """Non-numeric, out of range, and a message of three frames: today each kills the engine."""
-    attack(dp_server, (b"attacker", b"x"), (b"7", b"x"), (None, b"x"), (b"01", b"a", b"b"))
+    attack(dp_server, (b"attacker", b"x"), (b"7", b"x"), (None, b"x"), (b"0001", b"a", b"b"))
 
 
 def test_a_forged_message_without_the_right_mac_is_dropped(dp_server):
@@ -142,7 +145,7 @@ def test_a_forged_message_without_the_right_mac_is_dropped(dp_server):
     forged = pickle.dumps(EngineCoreOutputs(dead=True, error="forged"))
     body = msgspec.msgpack.encode(["outputs", [], {}, {}, True, "forged"])
     unsigned = os.urandom(32) + (1 << 40).to_bytes(8, "big") + body
-    attack(dp_server, (b"+1", forged), (b"+1", unsigned))
+    attack(dp_server, (b"+1", forged), (b"1 ", unsigned))
 
 
 def test_every_message_type_round_trips_through_the_codecs():
@@ -153,8 +156,9 @@ def test_every_message_type_round_trips_through_the_codecs():
     from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request
     from nanoserve.sampler import TokenLogprobs
     from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams
-    from nanoserve.serial_utils import (WIRE_ERRORS, CoreCodec, Outputs, Ping, Ready,
-                                        ServerCodec, StartupError, WireError)
+    from nanoserve.serial_utils import (WIRE_ERRORS, CoreCodec, EngineCoreRequest, Output,
+                                        Outputs, Ping, Ready, ServerCodec, StartupError,
+                                        WireError)
     core, server, replies = CoreCodec(SECRET.encode(), 0), ServerCodec(SECRET.encode(), 1), []
     assert server.decode([b"0", core.hello()], replies.append) == (0, None)
     assert core.decode(replies[0][1]) is None and core.welcomed      # the Welcome
@@ -199,6 +203,11 @@ def test_every_message_type_round_trips_through_the_codecs():
     failure = StartupError(WireError.from_exception(OSError("no such model")))
     assert server.decode([b"0", core.encode(failure)], replies.append) == (0, failure)
     assert server.decode([b"0", core.encode(Ping())], replies.append) == (0, Ping())
+    # The wire forms carry every field of the in-process classes (a new one needs its place).
+    fields = lambda cls: {f.name for f in dataclasses.fields(cls)}
+    assert fields(EngineCoreOutput) == set(Output.__struct_fields__)
+    assert fields(EngineCoreOutputs) - {"engine_index"} == set(Outputs.__struct_fields__)
+    assert set(inspect.signature(Request).parameters) == set(EngineCoreRequest.__struct_fields__)
 
 
 def test_codecs_drop_bad_mac_replay_reflection_bad_values_and_strangers():
