@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import multiprocessing
 import os
 import queue
@@ -71,7 +70,7 @@ class InprocClient:
     """The busy loop in a daemon thread: inputs through a queue, outputs to the event loop."""
 
     def __init__(self, config: Config):
-        self.core = EngineCore(dataclasses.replace(config, data_parallel_rpc_secret=None))
+        self.core = EngineCore(take_rpc_secret(config)[0])    # (no socket: no secret)
         self.config, self.vocab_size, self.model_path = (self.core.config, self.core.vocab_size,
                                                          self.core.model_path)
         self.stats = [self.core.get_stats()]
@@ -384,9 +383,8 @@ def run_engine_core_process(config: Config, address: str, rank: int, local_index
         if ranks_here > 1:        # its share of this host's GPUs or cores
             place_data_parallel_rank(local_index, ranks_here, config.tensor_parallel_size)
         core, failure = EngineCore(config), None
-    except Exception as e:        # e.g. a bad model path: the API server raises it
-        if address.startswith("tcp://"):
-            traceback.print_exc()     # and this host's own log says why
+    except Exception as e:        # e.g. a bad model path: the API server raises it (by name
+        traceback.print_exc()     # and message), and this host's log has its traceback
         core, failure = None, e
     try:
         while not link.codec.welcomed:
