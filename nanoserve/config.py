@@ -28,9 +28,10 @@ DEFAULT_MODEL = "nanoserve-tiny"
 QUANTIZATION_METHODS = ("int8", "fp8")   # weight-only, quantized at load (quantization.py)
 
 
-def _f(default: Any, help: str, choices: tuple | None = None):
-    """A dataclass field with the help text the CLI shows (and the allowed choices)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _f(default: Any, help: str, choices: tuple | None = None, repr: bool = True):
+    """A dataclass field with the help text the CLI shows (and the allowed choices); a secret
+    has repr=False."""
+    return field(default=default, repr=repr, metadata={"help": help, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,11 @@ class Config:
                                     "connect to (ZeroMQ over TCP).")
     data_parallel_rpc_port: int = _f(29550, "The API server's port for the engine cores of "
                                      "--headless hosts.")
+    data_parallel_rpc_secret: Optional[str] = _f(
+        None, "The secret that signs every message between the API server and the engine cores "
+        "(HMAC-SHA256): ranks on other hosts need it, the same on every host. Prefer the "
+        "environment variable NANOSERVE_RPC_SECRET (a flag shows in `ps`). Default: a random "
+        "one per run when every rank runs on this host.", repr=False)
     headless: bool = _f(False, "Run engine cores only (no API server): they connect to the API "
                         "server at --data-parallel-address:--data-parallel-rpc-port.")
 

@@ -1,35 +1,36 @@
 """core_client.py: how the server's AsyncLLM reaches its engine cores, in either process layout.
 
     API server process (AsyncLLM)                   engine core process, one per data-parallel rank
-    MPClient.send ---- ZMQ ROUTER, pickles ---->    run_engine_core_process (a DEALER named by rank):
-      ("add", [Request]) to the least loaded rank     run_busy_loop(EngineCore): drain, step
-      ("abort", ids) to the rank that holds them
-    MPClient.get_output <----------------------     one EngineCoreOutputs per step
+    MPClient.send ---- ZMQ ROUTER, signed msgpack -> run_engine_core_process (a DEALER named by rank):
+      AddRequests to the least loaded rank            run_busy_loop(EngineCore): drain, step
+      AbortRequests to the rank that holds them
+    MPClient.get_output <----------------------     one Outputs per step (a Ping when idle)
 
 `MPClient` (the default, vLLM V1's layout) starts each engine core in a process of its own, so
 that HTTP, tokenization and detokenization (Python CPU work) never stall the step loop. They are
 started with "spawn" (a fork of a process running torch's threads may deadlock), which
 re-imports the main module: a script that makes an AsyncLLM needs `if __name__ == "__main__":`.
-`InprocClient` (`--no-engine-process`) runs the same loop in a thread of this process, for
-lessons and debugging (one process to step through). Both offer the same four calls: `send`,
-`get_output`, `shutdown` and, once started, what the front end must know (the resolved
-config, vocab_size, model_path, each engine's first stats, the processes and their pids).
+`InprocClient` (`--no-engine-process`) runs the same loop in a thread of this process (lessons,
+debugging). Both offer `send`, `get_output`, `shutdown` and what the front end must know (the
+resolved config, vocab_size, model_path, each engine's first stats, the processes' pids).
 
-Data parallel (`data_parallel_size` N): N engine cores, each with its own scheduler, KV cache
-and TP workers, behind one ROUTER socket. A new request goes to the rank with the fewest
-unfinished requests, a waiting one counting WAITING_WEIGHT running ones (vLLM's rule; ties go to
-the lowest rank); all children of an n > 1 request go together, so they share its prefix cache,
-and its aborts follow it. Ranks past `data_parallel_size_local` run on other hosts
-(`nanoserve serve --headless`, `run_headless`), over TCP to the same socket.
+Data parallel (`data_parallel_size` N): N engine cores behind one ROUTER socket. A new request
+goes to the rank with the fewest unfinished requests, a waiting one counting WAITING_WEIGHT
+running ones (vLLM's rule; ties to the lowest rank); an n > 1 request's children go together
+(they share its prefix cache) and its aborts follow. Ranks past `data_parallel_size_local` run on
+other hosts (`nanoserve serve --headless`, `run_headless`), over TCP to the same socket. The
+wire (serial_utils.py): typed msgpack, never pickle, every frame signed with the rpc secret; a
+frame that fails a check is dropped and logged, never reaching the busy loop or the front end.
 
 Supervision: an engine core exits when its parent's pipe reaches EOF, or when its connection to
 the API server drops (another host), so it never outlives them, even after SIGKILL; it ignores
-SIGINT (Ctrl-C reaches the whole process group: its parent stops it). The API server watches
-each local child's sentinel, and a remote engine core silent for REMOTE_TIMEOUT_S (it pings
-after HEARTBEAT_S without a message) is dead too. A dead rank is reported within a second
-(`dead`, naming the rank): the front end fails every open stream, and answers 503 from then on.
+SIGINT (Ctrl-C reaches the whole process group: its parent stops it). It pings after HEARTBEAT_S
+without a message; a rank silent for `engine_iteration_timeout_s` (a step that long, a hang,
+SIGSTOP, a lost host) is dead, and so is a local one whose process exited (its sentinel; it is
+reaped). A dead rank is reported within a second (`dead`, naming the rank): the front end fails
+every open stream, and answers 503 from then on.
 
-Run the tests: `pytest tests/test_api.py -k "engine_core or outlives"`, tests/test_data_parallel.py.
+Tests: tests/test_api.py -k "engine_core or outlives", test_data_parallel.py, test_security_wire.py
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import asyncio
 import atexit
 import multiprocessing
 import os
-import pickle
 import queue
 import signal
 import sys
@@ -57,19 +57,20 @@ from nanoserve.distributed import place_data_parallel_rank
 from nanoserve.engine_core import EngineCore, Inputs, run_busy_loop
 from nanoserve.errors import EngineDeadError
 from nanoserve.request import EngineCoreOutputs
+from nanoserve.serial_utils import (CoreCodec, Outputs, Ping, Ready, ServerCodec, StartupError,
+                                    WireError, take_rpc_secret)
 
 STOP_TIMEOUT_S = 5       # how long shutdown waits for an engine core before terminating it
 HEARTBEAT_S = 1.0        # an engine core that has sent nothing for this long sends a ping
-REMOTE_TIMEOUT_S = 30.0  # a remote engine core silent for this long is dead (its host is gone)
 WAITING_WEIGHT = 4       # in load balancing, a waiting request weighs as much as 4 running ones
+MAX_FRAME_BYTES = 64 << 20   # the largest frame the API server takes (the engine cores' are small)
 
 
 class InprocClient:
-    """The busy loop in a daemon thread of this process: inputs through a queue, outputs handed
-    to the event loop."""
+    """The busy loop in a daemon thread: inputs through a queue, outputs to the event loop."""
 
     def __init__(self, config: Config):
-        self.core = EngineCore(config)
+        self.core = EngineCore(take_rpc_secret(config)[0])    # (no socket: no secret)
         self.config, self.vocab_size, self.model_path = (self.core.config, self.core.vocab_size,
                                                          self.core.model_path)
         self.stats = [self.core.get_stats()]
@@ -108,20 +109,24 @@ class MPClient:
     """The engine cores in child processes (or on --headless hosts), one ROUTER socket to all."""
 
     def __init__(self, config: Config):
+        config, secret = take_rpc_secret(config)        # ValueError first: remote ranks need one
+        self.num_engines, ranks_here = config.data_parallel_size, config.data_parallel_ranks_here
+        self._codec = ServerCodec(secret, self.num_engines)
         self._dir = tempfile.TemporaryDirectory(prefix="nanoserve-")
         self._zmq = zmq.Context()
         self._socket = self._zmq.socket(zmq.ROUTER)     # sends to, and hears from, each by rank
-        for option in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
-            self._socket.setsockopt(option, 0)          # never drop or block: queues are the backlog
+        # Never drop or block (queues are the backlog); a peer's frame is checked once it is in.
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
+                              (zmq.MAXMSGSIZE, MAX_FRAME_BYTES)):
+            self._socket.setsockopt(option, value)
         address = f"ipc://{self._dir.name}/engine-cores"
         self._socket.bind(address)
-        self.num_engines, ranks_here = config.data_parallel_size, config.data_parallel_ranks_here
         if len(ranks_here) < self.num_engines:          # the others connect from --headless hosts
             remote = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
             self._socket.bind(remote)
             print(f"nanoserve serve: waiting for the engine cores of data-parallel ranks "
                   f"{len(ranks_here)}..{self.num_engines - 1} at {remote}", file=sys.stderr)
-        self._procs = start_engine_cores(config, address)
+        self._procs = start_engine_cores(config, address, secret)
         atexit.register(self.shutdown)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._exited: Optional[asyncio.Future] = None    # a local engine core's rank, once dead
@@ -132,35 +137,34 @@ class MPClient:
         except BaseException:
             self.shutdown()
             raise
-        self.config, self.vocab_size, self.model_path = ready[0][:3]
-        self.stats = [r[3] for r in ready]
+        self.config, self.vocab_size, self.model_path = (ready[0].config, ready[0].vocab_size,
+                                                         ready[0].model_path)
+        self.stats = [r.stats for r in ready]
         self.processes = [("api server", os.getpid())]
-        for rank, (*_, pid, workers) in enumerate(ready):
+        for rank, r in enumerate(ready):
             where = "" if rank in self._procs else " (--headless host)"
-            self.processes += [(f"engine core {rank}{where}", pid)] + [
-                (f"engine core {rank} worker rank {w}{where}", p) for w, p in enumerate(workers)]
+            self.processes += [(f"engine core {rank}{where}", r.pid)] + [
+                (f"engine core {rank} worker rank {w}{where}", p) for w, p in enumerate(r.worker_pids)]
         self._rank_of: dict[str, int] = {}                # unfinished request id -> its rank
         self._unfinished, self._running = [0] * self.num_engines, [0] * self.num_engines
 
-    def _wait_ready(self) -> list[tuple]:
+    def _wait_ready(self) -> list[Ready]:
         """Each rank's "ready" report, rank order (they load the model: wait, but not for a dead
         child); raises the error of one that failed to start."""
-        ready: dict[int, tuple] = {}
+        ready = self._codec.ready
         while len(ready) < self.num_engines:
             if self._socket.poll(100):
-                identity, frame = self._socket.recv_multipart()
-                if frame:                                 # (else a ping)
-                    kind, payload = pickle.loads(frame)
-                    if kind == "error":
-                        raise payload
-                    ready[int(identity)] = payload
+                _, message = self._codec.decode(self._socket.recv_multipart(),
+                                                self._socket.send_multipart)
+                if isinstance(message, StartupError):
+                    raise message.error.to_exception()
                 continue
             for rank, (proc, _) in self._procs.items():
                 if rank not in ready and not proc.is_alive() and not self._socket.poll(1000):
                     raise EngineDeadError(f"the engine core process of data-parallel rank {rank} "
                                           f"exited while starting (exit code {proc.exitcode})")
-        # (config, vocab_size, model_path, stats, device type, ...): each rank must serve alike
-        seen = {rank: (r[0].max_model_len, r[1], r[4]) for rank, r in sorted(ready.items())}
+        seen = {rank: (r.config.max_model_len, r.vocab_size, r.device)   # each must serve alike
+                for rank, r in sorted(ready.items())}
         if len(set(seen.values())) > 1:
             raise ValueError(f"the data-parallel ranks differ in (max_model_len, vocab_size, "
                              f"device): {seen}; give every host the same model flags")
@@ -187,8 +191,7 @@ class MPClient:
 
     def _send(self, rank: int, kind: str, payload) -> None:
         # A rank that is gone drops it silently (ROUTER); get_output says it died.
-        self._socket.send_multipart([str(rank).encode(),
-                                     pickle.dumps((kind, payload), pickle.HIGHEST_PROTOCOL)])
+        self._socket.send_multipart(self._codec.encode(rank, kind, payload))
 
     async def get_output(self) -> EngineCoreOutputs:
         if self._loop is None:
@@ -203,11 +206,12 @@ class MPClient:
             await asyncio.wait((self._recv,) if dead is not None else (self._recv, self._exited),
                                timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             if self._recv.done():
-                (identity, frame), self._recv = self._recv.result(), None
-                rank = int(identity)
-                self._last_heard[rank] = time.monotonic()
-                if frame:                                        # (else a ping)
-                    return self._track(rank, pickle.loads(frame))
+                parts, self._recv = self._recv.result(), None
+                rank, message = self._codec.decode(parts, self._socket.send_multipart)
+                if message is not None:                  # signed by the rank: it is alive
+                    self._last_heard[rank] = time.monotonic()
+                if isinstance(message, Outputs):
+                    return self._track(rank, message.to_outputs())
 
     def _watch(self) -> None:
         """Start watching each local engine core's sentinel (from the event loop's thread)."""
@@ -219,7 +223,9 @@ class MPClient:
         self._last_heard = [time.monotonic()] * self.num_engines   # pings queued until now
 
     def _on_exit(self, rank: int) -> None:
-        self._loop.remove_reader(self._procs[rank][0].sentinel)
+        proc = self._procs[rank][0]
+        self._loop.remove_reader(proc.sentinel)
+        proc.join()                                      # reaped: no zombie
         if not self._exited.done():
             self._exited.set_result(rank)
 
@@ -237,21 +243,27 @@ class MPClient:
         return message
 
     def _dead_rank(self) -> Optional[int]:
-        """A local engine core that exited, or a remote one silent too long (or None)."""
-        silent = [r for r in range(self.num_engines) if r not in self._procs
-                  and time.monotonic() - self._last_heard[r] > REMOTE_TIMEOUT_S]
+        """A local engine core that exited, or any rank silent past engine_iteration_timeout_s (a
+        step that long, a hang, a stopped process, a lost host), or None."""
+        now, timeout = time.monotonic(), self.config.engine_iteration_timeout_s
+        silent = [r for r in range(self.num_engines) if now - self._last_heard[r] > timeout]
         rank = self._exited.result() if self._exited.done() else (silent or [None])[0]
-        if rank is not None and self._dead_since is None:
-            self._dead_since = time.monotonic()
+        if rank is None:           # (heard again: a silence the event loop caused, not the rank)
+            self._dead_since = None
+        elif self._dead_since is None:
+            self._dead_since = now
         return rank
 
     def _why_dead(self, rank: int) -> str:
         if rank not in self._procs:
-            return (f"the engine core of data-parallel rank {rank} (on a --headless host) sent "
-                    f"nothing for {REMOTE_TIMEOUT_S:g} s")
-        proc = self._procs[rank][0]
-        return (f"the engine core process of data-parallel rank {rank} (pid {proc.pid}) died, "
-                f"exit code {proc.exitcode}")
+            who = f"the engine core of data-parallel rank {rank} (on a --headless host)"
+        else:
+            proc = self._procs[rank][0]
+            who = f"the engine core process of data-parallel rank {rank} (pid {proc.pid})"
+            if proc.exitcode is not None:
+                return f"{who} died, exit code {proc.exitcode}"
+        return (f"{who} sent nothing for {self.config.engine_iteration_timeout_s:g} s "
+                f"(engine_iteration_timeout_s: a step that long, a hang, a stopped process)")
 
     def shutdown(self) -> None:
         """Stop the local engine cores; closing the socket stops the remote ones."""
@@ -269,9 +281,9 @@ class MPClient:
         self._dir = None
 
 
-def start_engine_cores(config: Config, address: str) -> dict[int, tuple]:
+def start_engine_cores(config: Config, address: str, secret: bytes) -> dict[int, tuple]:
     """Spawn this host's engine cores (`config.data_parallel_ranks_here`), each connecting to
-    `address`: {rank: (process, our end of its lifeline pipe)}."""
+    `address` and signing with `secret`: {rank: (process, our end of its lifeline pipe)}."""
     context = multiprocessing.get_context("spawn")
     procs = {}
     for local_index, rank in enumerate(config.data_parallel_ranks_here):
@@ -279,7 +291,7 @@ def start_engine_cores(config: Config, address: str) -> dict[int, tuple]:
         # Not daemonic: with tensor parallel it starts the worker processes itself, which a
         # daemonic process may not. The pipe (EOF when we are gone) stops it instead.
         proc = context.Process(target=run_engine_core_process, name=f"nanoserve-engine-core-{rank}",
-                               args=(config, address, rank, local_index, child_conn))
+                               args=(config, address, rank, local_index, child_conn, secret))
         proc.start()
         child_conn.close()
         procs[rank] = (proc, conn)
@@ -287,8 +299,7 @@ def start_engine_cores(config: Config, address: str) -> dict[int, tuple]:
 
 
 def stop_engine_cores(procs: dict[int, tuple]) -> None:
-    """Close each lifeline pipe (an engine core stops at its EOF); terminate, then kill, the
-    ones still there."""
+    """Close each lifeline pipe (an engine core stops at its EOF); terminate, then kill, the rest."""
     for _, conn in procs.values():
         conn.close()
     for proc, _ in procs.values():
@@ -300,11 +311,11 @@ def stop_engine_cores(procs: dict[int, tuple]) -> None:
 
 
 def run_headless(config: Config) -> None:
-    """`nanoserve serve --headless`: this host's engine cores, serving the API server at
-    data_parallel_address:data_parallel_rpc_port, until one of them exits (the API server
-    stopped, or it died) or this process is stopped (SIGTERM, Ctrl-C): then all of them."""
+    """`nanoserve serve --headless`: this host's engine cores, for the API server at the rpc
+    address, until one exits (that server stopped or died) or SIGTERM / Ctrl-C: then all."""
+    config, secret = take_rpc_secret(config)        # ValueError when none is given
     address = f"tcp://{config.data_parallel_address}:{config.data_parallel_rpc_port}"
-    procs = start_engine_cores(config, address)
+    procs = start_engine_cores(config, address, secret)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))    # exit through `finally`
     for rank, (proc, _) in procs.items():
         print(f"nanoserve serve --headless: engine core {rank}: pid {proc.pid}, for {address}",
@@ -315,56 +326,73 @@ def run_headless(config: Config) -> None:
         stop_engine_cores(procs)
 
 
-def run_engine_core_process(config: Config, address: str, rank: int, local_index: int,
-                            conn) -> None:
-    """The engine core process of data-parallel `rank`: build the core, say "ready" (or why
-    not) to the API server, then run the busy loop until told to stop or a parent is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    context = zmq.Context()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, str(rank).encode())
-    sock.setsockopt(zmq.SNDHWM, 0)
-    # ZMTP heartbeats: an API server's host that vanishes without closing TCP drops too.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
-    dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)   # the API server is gone
-    sock.connect(address)
-    remote, last_sent = address.startswith("tcp://"), [time.monotonic()]
+class EngineCoreSocket:
+    """The engine core's DEALER to the API server (named by its rank, signing with CoreCodec),
+    and its two lifelines: the parent's pipe (EOF: gone) and the connection's drop."""
 
-    def send(message) -> None:    # None: a ping (from another host: local ones are watched)
-        sock.send(b"" if message is None else pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
-        last_sent[0] = time.monotonic()
+    def __init__(self, address: str, rank: int, conn, codec: CoreCodec, heartbeat: float):
+        self.context = zmq.Context()
+        self.sock = sock = self.context.socket(zmq.DEALER)
+        # ZMTP heartbeats: an API server's host that vanishes without closing TCP drops too.
+        for option, value in ((zmq.IDENTITY, str(rank).encode()), (zmq.SNDHWM, 0),
+                              (zmq.HEARTBEAT_IVL, 1000), (zmq.HEARTBEAT_TIMEOUT, 10_000)):
+            sock.setsockopt(option, value)
+        self.dropped = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)   # the API server is gone
+        sock.connect(address)
+        self.poller = zmq.Poller()
+        for source in (sock, self.dropped, conn.fileno()):
+            self.poller.register(source, zmq.POLLIN)
+        self.conn, self.codec, self.heartbeat, self.last_sent = conn, codec, heartbeat, 0.0
+        sock.send(codec.hello())       # the API server's Welcome answers it (CoreCodec.welcomed)
+
+    def send(self, message) -> None:
+        self.sock.send(self.codec.encode(message))
+        self.last_sent = time.monotonic()
+
+    def receive(self, timeout_s: float) -> Optional[Inputs]:
+        """What the API server sent (checked, decoded; [] if nothing); None once a parent is gone."""
+        ready = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self.conn.fileno() in ready or self.dropped in ready:   # outlive neither parent
+            return None
+        item = self.codec.decode(self.sock.recv()) if self.sock in ready else None
+        return [] if item is None else [item]
+
+    def get_inputs(self, block: bool) -> Inputs:
+        """run_busy_loop's inputs: idle, wait in heartbeat slices; busy, take what is there."""
+        items: Inputs = []
+        while True:
+            if time.monotonic() - self.last_sent >= self.heartbeat:
+                self.send(Ping())          # silence would mean a hung engine core
+            new = self.receive(self.heartbeat if block and not items else 0)
+            if new is None:
+                return [("shutdown", None)]
+            items += new
+            if not new and (items or not block):
+                return items
+
+
+def run_engine_core_process(config: Config, address: str, rank: int, local_index: int,
+                            conn, secret: bytes) -> None:
+    """The engine core process of data-parallel `rank`: Hello, build the core, the API server's
+    Welcome, "ready" (or why not), then the busy loop until told to stop or a parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    link = EngineCoreSocket(address, rank, conn, CoreCodec(secret, rank),
+                            min(HEARTBEAT_S, config.engine_iteration_timeout_s / 4))
     try:
         ranks_here = len(config.data_parallel_ranks_here)
         if ranks_here > 1:        # its share of this host's GPUs or cores
             place_data_parallel_rank(local_index, ranks_here, config.tensor_parallel_size)
-        core = EngineCore(config)
-    except Exception as e:        # e.g. a bad model path: the API server raises it
-        if remote:                # and this host's own log says why
-            traceback.print_exc()
-        send(("error", e))
-        context.destroy(linger=1000)
-        return
-    poller = zmq.Poller()
-    for source in (sock, dropped, conn.fileno()):
-        poller.register(source, zmq.POLLIN)
-    send(("ready", (core.config, core.vocab_size, core.model_path, core.get_stats(),
-                    core.runner.device.type, os.getpid(), core.worker_pids())))
-
-    def get_inputs(block: bool) -> Inputs:
-        items: Inputs = []
-        while True:                # idle: wait in HEARTBEAT_S slices; busy: take what is there
-            if remote and time.monotonic() - last_sent[0] >= HEARTBEAT_S:
-                send(None)
-            ready = dict(poller.poll(int(HEARTBEAT_S * 1000) if block and not items else 0))
-            if conn.fileno() in ready or dropped in ready:   # do not outlive either parent
-                return [("shutdown", None)]
-            if sock in ready:
-                items.append(pickle.loads(sock.recv()))
-            elif items or not block:
-                return items
-
+        core, failure = EngineCore(config), None
+    except Exception as e:        # e.g. a bad model path: the API server raises it (by name
+        traceback.print_exc()     # and message), and this host's log has its traceback
+        core, failure = None, e
     try:
-        run_busy_loop(core, get_inputs, send)
+        while not link.codec.welcomed:
+            if link.receive(link.heartbeat) is None:
+                return
+        link.send(Ready.from_core(core) if failure is None
+                  else StartupError(WireError.from_exception(failure)))
+        if failure is None:
+            run_busy_loop(core, link.get_inputs, lambda message: link.send(Outputs.from_outputs(message)))
     finally:
-        context.destroy(linger=1000)       # let the last message (e.g. why it died) go out
+        link.context.destroy(linger=1000)   # let the last message (e.g. why it died) go out

@@ -13,8 +13,9 @@ classes (and a user catches them with one import):
 A request that can never run is a plain ValueError naming the field (Processor, engine.py).
 The HTTP layer's `APIError` (OpenAI's error JSON and a status code) is not here: it belongs to
 the server, so it stays in protocol.py, and api.py maps these errors onto it (`_api_error`).
-Plain classes that import nothing of nanoserve (any layer may import them), and they pickle:
-they cross from the engine core's process to the API server's.
+Plain classes that import nothing of nanoserve (any layer may import them). They cross from
+the engine core's process to the API server's as (class name, message), rebuilt from a fixed
+list (serial_utils.WIRE_ERRORS): a new class needs its place there, or arrives as its base.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class RequestTimeoutError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step failed; `request_ids` were in it and have been aborted (the engine goes on).
-    (Its args are the message alone, so it pickles: it crosses to the API server's process.)"""
+    (It crosses to the API server's process as its message alone.)"""
 
     def __init__(self, message: str, request_ids: Sequence[str] = ()):
         super().__init__(message)

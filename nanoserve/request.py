@@ -2,9 +2,9 @@
 the engine core sends back (EngineCoreOutput, batched per step into EngineCoreOutputs).
 
 These are plain classes with no behaviour beyond bookkeeping, so every layer can import them
-without importing each other (the scheduler, the KV cache manager, the worker, the front ends),
-and they pickle as they are: the API server process and the engine core process exchange them
-over ZMQ sockets, both ends of which are in core_client.py (`MPClient`, `run_engine_core_process`).
+without importing each other (the scheduler, the KV cache manager, the worker, the front ends).
+Between the API server process and the engine core process they travel as typed msgpack, never
+pickled: their wire forms (EngineCoreRequest, Outputs) are in serial_utils.py.
 `fit_error` is the one answer to "can this request ever run?": `check_fits` raises it for
 Processor (engine.py), which both front ends pass through before anything reaches the engine;
 the scheduler only asserts it.

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.core_client import REMOTE_TIMEOUT_S, MPClient
+from nanoserve.core_client import MPClient
 from nanoserve.distributed import free_port, place_data_parallel_rank
 from nanoserve.request import EngineCoreOutput, EngineCoreOutputs
 from test_api import CONFIG, _alive, _descendants, serve
@@ -157,13 +157,15 @@ def test_balancing_fewest_unfinished_waiting_weighs_more_aborts_follow():
 
 
 def test_a_silent_remote_rank_is_dead():
-    """A rank on a --headless host has no sentinel here: silence past REMOTE_TIMEOUT_S is death."""
+    """A rank on a --headless host has no sentinel here: silence past engine_iteration_timeout_s
+    is death."""
     client = object.__new__(MPClient)
     client.num_engines, client._procs, client._dead_since = 2, {0: None}, None
+    client.config = Config(engine_iteration_timeout_s=30.0)
     client._exited = SimpleNamespace(done=lambda: False)
-    client._last_heard = [time.monotonic(), time.monotonic() - REMOTE_TIMEOUT_S / 2]
+    client._last_heard = [time.monotonic(), time.monotonic() - 15.0]
     assert client._dead_rank() is None
-    client._last_heard[1] -= REMOTE_TIMEOUT_S
+    client._last_heard[1] -= 30.0
     assert client._dead_rank() == 1 and client._dead_since is not None
     assert "rank 1 (on a --headless host)" in client._why_dead(1)
 
@@ -238,10 +240,11 @@ def test_dp2_tp2_seven_processes_a_dead_rank_fails_its_streams_and_sigterm_stops
         wait_all_gone(tree)
 
 
-def test_headless_host_on_loopback_serves_and_sigkill_of_the_server_stops_both(oracle):
+def test_headless_host_on_loopback_serves_and_sigkill_of_the_server_stops_both(oracle, monkeypatch):
     port = str(free_port())
     remote = ["--data-parallel-size", "2", "--data-parallel-address", "127.0.0.1",
               "--data-parallel-rpc-port", port]
+    monkeypatch.setenv("NANOSERVE_RPC_SECRET", "the rpc secret of both hosts, 32+")
     headless = subprocess.Popen([sys.executable, "-m", "nanoserve.cli", "serve", oracle.path,
                                  "--headless", "--data-parallel-rank", "1", *remote, *FLAGS],
                                 stderr=subprocess.DEVNULL)
