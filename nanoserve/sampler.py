@@ -21,6 +21,9 @@ penalties + argmax. Worked example, one row, temperature 0.5, top_k 2:
     top_k 2 keeps the two largest             -> [4.0, 2.0, -inf, -inf]
     softmax: token 0 w.p. 0.881, token 1 w.p. 0.119, tokens 2 and 3 never
 
+A row whose logits or probabilities are not finite (a NaN, an inf: a model's overflow, or what a
+parameter made of them) samples no token: -1, which fails that row's request alone.
+
 The model runner builds `SamplingMetadata.from_requests(...)` once per step, then calls `Sampler()`.
 Tests: pytest -x -q tests/test_sampler.py
 Lesson: lessons/07-sampling-and-config.md
@@ -210,7 +213,7 @@ class TokenLogprobs:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: Tensor                   # [n] int64
+    sampled_token_ids: Tensor                   # [n] int64; -1: the row was not finite
     logprobs: list[Optional[TokenLogprobs]]     # per row; None where the request did not ask
 
 
@@ -308,6 +311,7 @@ class Sampler:
 
         if md.all_greedy:
             sampled = self.argmax(logits)
+            winner = logits.gather(1, sampled[:, None])
         else:
             greedy_ids = self.argmax(logits) if md.greedy is not None else None
             if md.temperature is not None:
@@ -316,17 +320,22 @@ class Sampler:
                 logits = apply_min_p(logits, md.min_p)
             if md.top_k is not None or md.top_p is not None:
                 logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
-            sampled = self._sample(logits, md.generators)
+            sampled, winner = self._sample(logits, md.generators)
             if greedy_ids is not None:
                 sampled = torch.where(md.greedy, greedy_ids, sampled)
-        return SamplerOutput(sampled, _logprobs(raw_logits, sampled, md))
+        logprobs = _logprobs(raw_logits, sampled, md)
+        # A row with a NaN (the argmax picks it) or inf logit, or all -inf, has no token: -1, in
+        # the same tensor, so no extra sync; its request fails alone (engine_core.py).
+        return SamplerOutput(sampled.masked_fill(~winner.isfinite().squeeze(1), -1), logprobs)
 
-    def _sample(self, logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    def _sample(self, logits: Tensor, generators: dict[int, torch.Generator]
+                ) -> tuple[Tensor, Tensor]:
         """Exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is token i with
         probability p_i (q_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is
         i with probability p_i / sum(p)). Unlike torch.multinomial (one generator per call),
         each row's noise is its own fill, so a seeded row's token depends only on its logits and its own generator: the
-        same whatever else is in the batch and wherever the row sits."""
+        same whatever else is in the batch and wherever the row sits. Returns (each row's token,
+        its p / q: NaN where the row's probabilities are, since the argmax picks a NaN)."""
         probs = logits.softmax(dim=-1)
         # Exp(1) noise as -log(1 - U), U uniform in [0, 1): the distribution of exponential_(),
         # which on CPU is ~7x slower (72 ms against 11 ms for 64 rows of a 49k vocabulary).
@@ -338,7 +347,9 @@ class Sampler:
         q = q.neg_().log1p_().neg_()
         # The noise may be exactly 0; then 0 / 0 = NaN would let a masked token win.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
-        return self.argmax(probs.div_(q))
+        race = probs.div_(q)
+        sampled = self.argmax(race)
+        return sampled, race.gather(1, sampled[:, None])
 
 
 def _logprobs(raw_logits: Tensor, sampled: Tensor,
