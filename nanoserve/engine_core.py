@@ -9,12 +9,12 @@ same function in either layout (core_client.py): in its own process (the default
 or in a thread of the API server's process (`--no-engine-process`). The loop takes every
 request and abort that arrived, steps, and sends the step's outputs as ONE message. What one
 request's row raises (a NaN or inf row, a seed no generator takes, a grammar's refusal) fails
-that request alone, and the rest of the step goes on (`_fail_alone`); any other error in a step
-fails only that step's requests, and no client's error names another's request (`_told`);
-any other error ends the loop, and its last
-message says so (`dead`), so that the front end can fail every open stream instead of
-leaving them waiting. So does a step's CUDA error (`is_fatal_step_error`): it leaves the device
-unusable, and every later step would fail while /health said healthy.
+that request alone, and the rest of the step goes on (`_fail_alone`). Any other error in a
+step fails only that step's requests, and no client's error names another's request (`_told`).
+An error outside the step ends the loop, and its last message says so (`dead`), so that the
+front end can fail every open stream instead of leaving them waiting. So does a step's CUDA
+error (`is_fatal_step_error`): it leaves the device unusable, and every later step would fail
+while /health said healthy.
 
 Lesson: lessons/01-the-map.md
 """
@@ -194,9 +194,11 @@ class EngineCore:
 
 def _told(e: Exception, request_ids: list[str]) -> str:
     """What the clients of a failed step are told: the error's type and message, but the type
-    alone when the message names a request of the step (each client hears the same text, and
-    none may learn another's request id; the engine's log has it all)."""
-    if any(re.search(rf"(?<![\w-]){re.escape(r)}(?![\w-])", str(e)) for r in request_ids):
+    alone when the message names a request and the step had more than one (each client hears
+    the same text, and none may learn another's request id; the engine's log, and the offline
+    LLM's traceback, have it all)."""
+    if len(request_ids) > 1 and any(re.search(rf"(?<![\w-]){re.escape(r)}(?![\w-])", str(e))
+                                    for r in request_ids):
         return f"{type(e).__name__} (its message names a request: see the engine's log)"
     return f"{type(e).__name__}: {e}"
 

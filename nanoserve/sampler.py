@@ -309,9 +309,12 @@ class Sampler:
             logits[md.min_tokens_rows, md.min_tokens_token_ids] = _NEG_INF
         logits = apply_penalties(logits, md)
 
+        # Each row's largest logit (NaN if it has one): a NaN, an inf or -inf (every token
+        # masked) there, and the row has no probabilities and no token: -1, fetched with the
+        # tokens (no extra sync), which fails that request alone (engine_core.py).
         if md.all_greedy:
             sampled = self.argmax(logits)
-            winner = logits.gather(1, sampled[:, None])
+            row_max = logits.gather(1, sampled[:, None]).squeeze(1)   # the argmax picks a NaN
         else:
             greedy_ids = self.argmax(logits) if md.greedy is not None else None
             if md.temperature is not None:
@@ -320,22 +323,19 @@ class Sampler:
                 logits = apply_min_p(logits, md.min_p)
             if md.top_k is not None or md.top_p is not None:
                 logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
-            sampled, winner = self._sample(logits, md.generators)
+            row_max = logits.amax(dim=-1)
+            sampled = self._sample(logits, md.generators)
             if greedy_ids is not None:
                 sampled = torch.where(md.greedy, greedy_ids, sampled)
         logprobs = _logprobs(raw_logits, sampled, md)
-        # A row with a NaN (the argmax picks it) or inf logit, or all -inf, has no token: -1, in
-        # the same tensor, so no extra sync; its request fails alone (engine_core.py).
-        return SamplerOutput(sampled.masked_fill(~winner.isfinite().squeeze(1), -1), logprobs)
+        return SamplerOutput(sampled.masked_fill(~row_max.isfinite(), -1), logprobs)
 
-    def _sample(self, logits: Tensor, generators: dict[int, torch.Generator]
-                ) -> tuple[Tensor, Tensor]:
+    def _sample(self, logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
         """Exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is token i with
         probability p_i (q_i / p_i ~ Exp(p_i), and the smallest of independent exponentials is
         i with probability p_i / sum(p)). Unlike torch.multinomial (one generator per call),
         each row's noise is its own fill, so a seeded row's token depends only on its logits and its own generator: the
-        same whatever else is in the batch and wherever the row sits. Returns (each row's token,
-        its p / q: NaN where the row's probabilities are, since the argmax picks a NaN)."""
+        same whatever else is in the batch and wherever the row sits."""
         probs = logits.softmax(dim=-1)
         # Exp(1) noise as -log(1 - U), U uniform in [0, 1): the distribution of exponential_(),
         # which on CPU is ~7x slower (72 ms against 11 ms for 64 rows of a 49k vocabulary).
@@ -347,9 +347,7 @@ class Sampler:
         q = q.neg_().log1p_().neg_()
         # The noise may be exactly 0; then 0 / 0 = NaN would let a masked token win.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
-        race = probs.div_(q)
-        sampled = self.argmax(race)
-        return sampled, race.gather(1, sampled[:, None])
+        return self.argmax(probs.div_(q))
 
 
 def _logprobs(raw_logits: Tensor, sampled: Tensor,

@@ -22,10 +22,11 @@ regex, a choice or an EBNF grammar (structured_output.py):
 Validation happens here, at construction, so bad input is refused before it reaches the
 engine: every number is finite and fits the type the step computes it in (a seed is an int64,
 a float a float32), so no value that passed can make a step raise. A temperature in
-(0, 0.01) is raised to 0.01, as vLLM does (dividing by less overflows the float32 logits). The
-checks that need the model (stop_token_ids against the vocabulary, logprobs against
-max_logprobs) are Processor's (engine.py). The sampler re-checks none of it, only asserts.
-Torch-free: the scheduler and the API server read it too.
+(0, 0.01) is raised to 0.01, as vLLM does (dividing by less overflows the float32 logits), and
+a repetition penalty, which divides them too, must be >= 0.01. The checks that need the
+model (stop_token_ids against the vocabulary, logprobs against max_logprobs) are Processor's
+(engine.py). The sampler re-checks none of it, only asserts. Torch-free: the scheduler and the
+API server read it too.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0    # -2..2, once per token that has appeared in the output
     frequency_penalty: float = 0.0   # -2..2, per occurrence in the output
-    repetition_penalty: float = 1.0  # > 0; > 1 discourages tokens of prompt and output
+    repetition_penalty: float = 1.0  # >= 0.01; > 1 discourages tokens of prompt and output
     logprobs: Optional[int] = None   # also return the top-n logprobs of each sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -144,8 +145,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, name, "must be in [-2, 2]", value)
-        _check(self.repetition_penalty > 0, "repetition_penalty", "must be > 0",
-               self.repetition_penalty)
+        # It divides the positive logits, as a temperature does: below vLLM's temperature floor
+        # they overflow float32 (vLLM itself takes any value > 0).
+        _check(self.repetition_penalty >= _MAX_TEMP, "repetition_penalty",
+               f"must be >= {_MAX_TEMP}", self.repetition_penalty)
         _check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", "must be an integer >= 0", self.logprobs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs,

@@ -1,7 +1,8 @@
 """Fuzzing the HTTP API: hypothesis-made JSON bodies (wrong types, huge and negative numbers,
-unicode, nested junk, empty arrays, float and out-of-range token ids) against every endpoint of
-a live server on loopback. Whatever arrives: never a 500, every error is OpenAI's JSON, the
-engine keeps serving, and afterwards no request runs and no KV block is held.
+values at the types' edges (2**63, 2**64, 1e-300, 1e308, NaN, Infinity), unicode, nested junk,
+empty arrays, float and out-of-range token ids) against every endpoint of a live server on
+loopback. Whatever arrives: never a 500, every error is OpenAI's JSON, the engine keeps serving,
+and afterwards no request runs and no KV block is held.
 
     python -m pytest -q tests/test_fuzz.py
 """
@@ -30,8 +31,13 @@ token_ids = st.lists(st.integers(-5, 3000) | st.floats(-1, 3000) | st.booleans()
 prompt = (st.text(max_size=40) | st.lists(st.text(max_size=10), max_size=3) | token_ids
           | st.lists(token_ids, max_size=2) | junk)
 small = st.integers(-3, 8)
-huge = st.integers(-2**64, 2**64)
-number = st.floats(allow_nan=True, allow_infinity=True) | st.integers(-10, 10)
+# The types' edges (int64, uint64, float32's range, the smallest double): where a value that
+# passes a check may still overflow inside the step.
+edge_int = st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, 2**64, -2**63, -2**63 - 1])
+edge_float = st.sampled_from([1e-300, -1e-300, 1e308, -1e308, 3.5e38, 1e-45, float("nan"),
+                              float("inf"), float("-inf")])
+huge = st.integers(-2**64, 2**64) | edge_int
+number = st.floats(allow_nan=True, allow_infinity=True) | st.integers(-10, 10) | edge_float
 sampling = {
     "max_tokens": small | huge | junk, "n": small | junk, "temperature": number | junk,
     "top_p": number, "top_k": small | huge, "min_p": number, "seed": huge | junk,
@@ -107,6 +113,21 @@ def test_raw_bytes_on_every_endpoint_never_500(server, raw, path, method):
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
         assert response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                                   "min_tokens", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty", "logprobs", "n"])
+def test_every_sampling_field_at_the_types_edges(server, field):
+    """Each edge in each field of an otherwise good request, streamed and not: a 400 or an
+    answer, never a 500 nor an error mid-stream (a seed of 2**64 once failed the whole step)."""
+    client, _ = server
+    for value in (2**63 - 1, 2**63, 2**64, -2**63 - 1, 1e-300, 1e308, 1e-45, float("nan"),
+                  float("inf")):
+        for stream in (False, True):
+            check(post(client, "/v1/completions", {"model": "nanoserve-tiny", "prompt": "Once",
+                                                   "max_tokens": 2, "temperature": 1.0,
+                                                   "stream": stream, field: value}))
 
 
 def test_server_still_serves_after_fuzzing(server):

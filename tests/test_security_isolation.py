@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
 
 from security_kit import (assert_untouched, completion_body, live_server, stream_events,
-                          victim, wait_idle)
+                          stream_text, victim, wait_idle)
 
 from nanoserve.sampling_params import SamplingParams
 
@@ -42,6 +43,20 @@ def inproc(tmp_path_factory):
     monkeypatched to break one request's row."""
     with live_server(tmp_path_factory.mktemp("isolation_inproc"), engine_process=False) as server:
         yield server
+
+
+@pytest.fixture
+def runner(inproc, monkeypatch):
+    """The in-process engine's runner, its steps slowed to 10 ms so that the attack lands while
+    the victim streams (alone, nanoserve-tiny's 48 tokens take ~40 ms)."""
+    runner = inproc.engine.engine_core.core.runner
+    real = runner.execute_model
+
+    def slow(out):
+        time.sleep(0.01)
+        return real(out)
+    monkeypatch.setattr(runner, "execute_model", slow)
+    return runner
 
 
 def attack(server, **fields) -> tuple[int, list]:
@@ -97,7 +112,8 @@ def test_non_finite_numbers_are_a_400(server, field, value):
 def test_sampling_params_refuse_what_the_step_cannot_take():
     for fields in ({"seed": 2**64}, {"seed": -2**63 - 1}, {"temperature": float("nan")},
                    {"temperature": float("inf")}, {"repetition_penalty": 1e308},
-                   {"repetition_penalty": float("inf")}, {"top_p": float("nan")}):
+                   {"repetition_penalty": float("inf")}, {"repetition_penalty": 1e-40},
+                   {"top_p": float("nan")}):
         name = next(iter(fields))
         with pytest.raises(ValueError, match=f"^{name} "):
             SamplingParams(**fields)
@@ -123,10 +139,31 @@ def test_a_tiny_temperature_with_a_grammar_fails_nobody_else(server):
 
 
 # -- inside the step: one row's fault fails its request alone -------------------------------
-def test_a_nan_row_fails_only_its_request(inproc, monkeypatch):
+@pytest.mark.parametrize("temperatures", [[0.0] * 4, [1.0] * 4, [0.0, 1.0, 0.0, 1.0]])
+def test_the_sampler_marks_each_row_that_is_not_finite(temperatures):
+    """A NaN, an inf, or every token masked: that row's token is -1 (its request fails alone);
+    the others are the tokens of the same rows without the bad ones. Before, such a row got a
+    token (0, the argmax of NaN)."""
+    from nanoserve.sampler import Sampler, SamplingMetadata
+    vocab = 50
+    clean = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    logits = clean.clone()
+    logits[1, 7], logits[2, 3], logits[3] = float("nan"), float("inf"), float("-inf")
+    params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate(temperatures)]
+
+    def sample(x):
+        md = SamplingMetadata.from_requests(
+            params, [[1]] * 4, [[]] * 4, [torch.Generator().manual_seed(i) for i in range(4)],
+            eos_token_id=None, vocab_size=vocab, device="cpu")
+        return Sampler(torch.Generator().manual_seed(0))(x, md).sampled_token_ids.tolist()
+    tokens = sample(logits)
+    assert tokens[1:] == [-1, -1, -1]
+    assert tokens[0] == sample(clean)[0] >= 0
+
+
+def test_a_nan_row_fails_only_its_request(inproc, runner, monkeypatch):
     """The attacker's row of logits is NaN (as a model's overflow would make it): its request
     fails with its own error; before, the argmax took the NaN and answered token 0."""
-    runner = inproc.engine.engine_core.core.runner
     real = runner.sampler
 
     def poisoned(logits, md):
@@ -144,10 +181,30 @@ def test_a_nan_row_fails_only_its_request(inproc, monkeypatch):
         assert_clean(inproc, v)
 
 
-def test_a_grammar_refusal_fails_only_its_request(inproc, monkeypatch):
+def test_a_seed_no_generator_takes_fails_only_its_request(inproc, runner, monkeypatch):
+    """A seed past 64 bits that got by SamplingParams (here: set after its checks): before, the
+    generator's overflow failed the whole step, the victim with it."""
+    processor = inproc.engine.processor
+    real = processor.make_requests
+
+    def unchecked_seed(*args, **kwargs):
+        requests = real(*args, **kwargs)
+        for request in requests:
+            if request.sampling_params.logprobs == MARK:
+                request.sampling_params.seed = 2**64
+        return requests
+    monkeypatch.setattr(processor, "make_requests", unchecked_seed)
+    with victim(inproc) as v:
+        status, events = attack(inproc, logprobs=MARK, temperature=1.0, seed=1)
+    messages = errors_of(status, events)
+    assert messages and "seed" in messages[0], (status, events)
+    assert_names_only_itself(events, messages)
+    assert_clean(inproc, v)
+
+
+def test_a_grammar_refusal_fails_only_its_request(inproc, runner, monkeypatch):
     """The attacker's sampled token is one its grammar forbids: before, accept_tokens raised
     and the whole step failed, the victim with an error naming the attacker's request."""
-    runner = inproc.engine.engine_core.core.runner
     real = runner.sampler
 
     def refused(logits, md):
@@ -167,20 +224,20 @@ def test_a_grammar_refusal_fails_only_its_request(inproc, monkeypatch):
     assert_clean(inproc, v)
 
 
-def test_a_failed_step_names_no_other_request(inproc, monkeypatch):
-    """A whole step that raises (a bug) still fails the step's requests, but its message is
-    shown only when it names none of them."""
-    runner = inproc.engine.engine_core.core.runner
-    real, calls = runner.execute_model, []
+def test_a_failed_step_names_no_other_request(inproc, runner, monkeypatch):
+    """A whole step that raises (a bug) still fails every request in it, but a message that
+    names one of them is not told to the others. Before, the victim read the attacker's id."""
+    real, failed = runner.execute_model, []
 
     def fail_once(out):
-        calls.append(1)
-        if len(calls) == 1:
-            raise KeyError(out.requests[-1].request_id)
+        if len(out.requests) > 1 and not failed:       # the victim and the attacker
+            failed.append(1)
+            raise KeyError(next(r.request_id for r in out.requests if "-0" in r.request_id))
         return real(out)
     monkeypatch.setattr(runner, "execute_model", fail_once)
-    status, events = attack(inproc)
-    messages = errors_of(status, events)
-    assert messages and "KeyError" in messages[0] and "cmpl-" not in messages[0], messages
-    assert stream_events(inproc, completion_body())[0] == 200     # the engine goes on
+    with victim(inproc) as v:
+        status, events = attack(inproc)
+    messages = errors_of(status, events) + [v.error["error"]["message"]]
+    assert failed and all("KeyError" in m and "cmpl-" not in m for m in messages), messages
+    assert stream_text(inproc) == inproc.expected      # the engine goes on
     wait_idle(inproc)
