@@ -175,7 +175,9 @@ class StructuredOutputManager:
         """Advance each structured request's matcher by the token it sampled; returns the
         requests whose grammar refused it (its bitmask allowed it: a bug), which fail alone."""
         refused = []
-        for request_id, token in sampled.items() if self.matchers else ():
+        if not self.matchers:
+            return refused
+        for request_id, token in sampled.items():
             matcher = self.matchers.get(request_id)
             if matcher is not None and not matcher.accept_token(token):
                 refused.append(request_id)
