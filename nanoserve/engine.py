@@ -213,10 +213,12 @@ class LLM:
 
     def _steps(self) -> Iterator[list[RequestOutput]]:
         """Step the engine until it is idle, aborting the requests a stop string ended; yields
-        each step's RequestOutputs (what is new)."""
+        each step's RequestOutputs (what is new). A request that failed alone raises its error."""
         while self.engine.has_unfinished_requests():
             outputs, stopped = self.output_processor.process_outputs(self.engine.step())
             self.engine.abort(stopped)
+            if failed := self.engine.pop_failed():
+                raise next(iter(failed.values()))
             yield outputs
 
     def _run(self, total: int, progress: bool) -> None:

@@ -7,11 +7,14 @@ simply stays in the scheduler for the next step. The core speaks token ids only.
 Who steps it: the offline `LLM` calls `step()` itself; the server runs `run_busy_loop`, the
 same function in either layout (core_client.py): in its own process (the default, as vLLM V1),
 or in a thread of the API server's process (`--no-engine-process`). The loop takes every
-request and abort that arrived, steps, and sends the step's outputs as ONE message. An error
-in one step fails only that step's requests; any other error ends the loop, and its last
-message says so (`dead`), so that the front end can fail every open stream instead of
-leaving them waiting. So does a step's CUDA error (`is_fatal_step_error`): it leaves the device
-unusable, and every later step would fail while /health said healthy.
+request and abort that arrived, steps, and sends the step's outputs as ONE message. What one
+request's row raises (a NaN or inf row, a seed no generator takes, a grammar's refusal) fails
+that request alone, and the rest of the step goes on (`_fail_alone`). Any other error in a
+step fails only that step's requests, and no client's error names another's request (`_told`).
+An error outside the step ends the loop, and its last message says so (`dead`), so that the
+front end can fail every open stream instead of leaving them waiting. So does a step's CUDA
+error (`is_fatal_step_error`): it leaves the device unusable, and every later step would fail
+while /health said healthy.
 
 Lesson: lessons/01-the-map.md
 """
@@ -19,6 +22,8 @@ Lesson: lessons/01-the-map.md
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import sys
 import time
 import traceback
@@ -56,6 +61,7 @@ class EngineCore:
         self.timings = self.runner.timings
         self.timings.update(schedule=0.0, update=0.0, grammar=0.0)
         self.num_batched_requests = 0       # summed over steps: / steps = mean batch size
+        self.failed: dict[str, Exception] = {}   # failed alone in a step, until pop_failed()
         if self.tracer.enabled:
             self.tracer.emit("config", **dataclasses.asdict(config))
             self.tracer.flush()
@@ -105,19 +111,22 @@ class EngineCore:
         self.num_batched_requests += len(scheduler_output.requests)
         try:
             self._grammar_bitmask(scheduler_output)
-            sampled, logprobs = self.runner.execute_model(scheduler_output)
-            self._accept_tokens(sampled)
+            sampled, logprobs, failed = self.runner.execute_model(scheduler_output)
+            failed.update(self._accept_tokens(sampled))
         except Exception as e:
             # The step's requests cannot go on; everyone else can. Roll their progress back
             # first, so that blocks this step should have filled leave the prefix cache.
             for request, computed in zip(scheduler_output.requests,
                                          scheduler_output.num_computed_tokens):
                 request.num_computed_tokens = computed
-            failed = [r.request_id for r in scheduler_output.requests]
-            self.scheduler.abort(failed)
+            ids = [r.request_id for r in scheduler_output.requests]
+            self.scheduler.abort(ids)
+            logging.getLogger("nanoserve").exception("the engine step failed")
             if is_fatal_step_error(e):     # every later step would fail too: the engine is dead
-                raise EngineDeadError(f"the engine cannot go on: {type(e).__name__}: {e}") from e
-            raise EngineStepError(f"the engine step failed: {type(e).__name__}: {e}", failed) from e
+                raise EngineDeadError(f"the engine cannot go on: {_told(e, ids)}") from e
+            raise EngineStepError(f"the engine step failed: {_told(e, ids)}", ids) from e
+        if failed:
+            self._fail_alone(scheduler_output, failed)
         update_start = time.perf_counter()
         outputs = self.scheduler.update(scheduler_output, sampled, logprobs)
         self.structured_output.remove(self.scheduler.finished_req_ids)   # finished just now
@@ -142,10 +151,35 @@ class EngineCore:
         if self.tracer.enabled:
             self.tracer.emit("grammar_bitmask", reqs=out.structured_output_request_ids)
 
-    def _accept_tokens(self, sampled: dict[str, int]) -> None:
+    def _accept_tokens(self, sampled: dict[str, int]) -> dict[str, str]:
+        """Advance the grammars; {request id: why} for each whose grammar refused its token
+        (taken out of `sampled`)."""
         start = time.perf_counter()
-        self.structured_output.accept_tokens(sampled)
+        refused = self.structured_output.accept_tokens(sampled)
         self.timings["grammar"] += time.perf_counter() - start
+        return {request_id: f"its grammar refused the token it sampled ({sampled.pop(request_id)})"
+                for request_id in refused}
+
+    def _fail_alone(self, out: SchedulerOutput, failed: dict[str, str]) -> None:
+        """The requests whose own row failed (a non-finite row, a seed no generator takes, a
+        grammar's refusal) end here, each with its own error (`pop_failed`); the rest of the
+        step goes on. Their progress is rolled back to nothing, so that none of their blocks
+        stays in the prefix cache (what made the row fail may sit in any of them)."""
+        for request in out.requests:
+            if request.request_id in failed:
+                request.num_computed_tokens = 0
+                logging.getLogger("nanoserve").warning(
+                    "request %s failed in the step: %s", request.request_id,
+                    failed[request.request_id])
+        self.scheduler.abort(failed)
+        self.failed.update({request_id: EngineStepError(
+            f"the engine step failed for this request: {why}", [request_id])
+            for request_id, why in failed.items()})
+
+    def pop_failed(self) -> dict[str, Exception]:
+        """{request id: its error} of the requests that failed alone since the last call."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _debug(self, out, duration: float) -> None:
         pool = self.kv_cache_manager.pool
@@ -156,6 +190,17 @@ class EngineCore:
               f"preempted {out.preempted_req_ids or '-'}, {duration * 1e3:.1f} ms", file=sys.stderr)
         if self.config.debug >= 2:
             self.kv_cache_manager.check_invariants()
+
+
+def _told(e: Exception, request_ids: list[str]) -> str:
+    """What the clients of a failed step are told: the error's type and message, but the type
+    alone when the message names a request and the step had more than one (each client hears
+    the same text, and none may learn another's request id; the engine's log, and the offline
+    LLM's traceback, have it all)."""
+    if len(request_ids) > 1 and any(re.search(rf"(?<![\w-]){re.escape(r)}(?![\w-])", str(e))
+                                    for r in request_ids):
+        return f"{type(e).__name__} (its message names a request: see the engine's log)"
+    return f"{type(e).__name__}: {e}"
 
 
 # One input of the loop: ("add", [Request]), ("abort", [request id]) or ("shutdown", None).
@@ -186,6 +231,7 @@ def run_busy_loop(core: EngineCore, get_inputs: Callable[[bool], Inputs],
                     message.outputs += core.step()
                 except EngineStepError as e:
                     message.failed.update(dict.fromkeys(e.request_ids, e))
+                message.failed.update(core.pop_failed())
             if inputs or message.outputs or message.failed:
                 message.stats = core.get_stats()
                 send(message)

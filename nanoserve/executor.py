@@ -10,7 +10,8 @@ rank 0 reports once (worker.py's `RunnerInfo`: config, model_path, hf_config, vo
     engine core process                       worker processes, one per rank (spawned)
     MultiprocExecutor --- pipe per rank --->  Worker: join the group (gloo on CPU, NCCL on
       send SchedulerOutput to every rank        CUDA, one GPU per rank) -> ModelRunner(shard)
-      <--- (sampled, logprobs) from rank 0      all ranks run the step; rank 0 samples
+      <--- (sampled, logprobs, failed)          all ranks run the step; rank 0 samples
+           from rank 0
 
 Every rank, rank 0 included, has its own process, and the engine core is no member of the
 torch.distributed group. Why: a process waiting inside a collective cannot notice that a peer
@@ -101,12 +102,12 @@ class MultiprocExecutor:
         return [proc.pid for proc in self.procs]
 
     def execute_model(self, scheduler_output: SchedulerOutput):
-        """Send the step to every rank; return rank 0's ({request id: token}, logprobs)."""
+        """Send the step to every rank; return rank 0's ({request id: token}, logprobs, failed)."""
         if self.error:
             raise WorkerError(f"tensor-parallel workers are down: {self.error}")
         self._outbox.put(scheduler_output)
         try:
-            sampled, logprobs, timings = self._receive([0], self.timeout_s)[0]
+            sampled, logprobs, failed, timings = self._receive([0], self.timeout_s)[0]
         except WorkerError as e:
             self.error = str(e)
             for proc in self.procs:    # mid-step: a rank may wait in a collective, or be stopped
@@ -115,7 +116,7 @@ class MultiprocExecutor:
             raise WorkerError(self.error) from None
         for name, seconds in timings.items():
             self.timings[name] += seconds
-        return sampled, logprobs
+        return sampled, logprobs, failed
 
     def _receive(self, ranks, timeout_s: Optional[float] = None) -> dict:
         """{rank: its next message} for `ranks`; WorkerError as soon as any rank reports an

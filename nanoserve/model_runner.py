@@ -219,8 +219,11 @@ class ModelRunner:
                 logits_indices.to(**to), [r for r, s in zip(out.requests, samples) if s])
 
     @torch.inference_mode()
-    def execute_model(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, object]]:
-        """Run one step. Returns ({request id: sampled token}, {request id: TokenLogprobs})."""
+    def execute_model(self, out: SchedulerOutput
+                      ) -> tuple[dict[str, int], dict[str, object], dict[str, str]]:
+        """Run one step. Returns ({request id: sampled token}, {request id: TokenLogprobs},
+        {request id: why its row failed}); a failed request has no token and no logprobs (its
+        row's fault fails it alone: engine_core.py)."""
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
         start = time.perf_counter()
@@ -231,28 +234,36 @@ class ModelRunner:
         self.timings["prepare"] += forward_start - start
         if not sampling:
             self.timings["forward"] += time.perf_counter() - forward_start
-            return {}, {}
+            return {}, {}, {}
         logits = self.model.compute_logits(hidden[logits_indices])
         if logits is None:     # a tensor-parallel rank other than 0: rank 0 samples
-            return {}, {}
+            return {}, {}, {}
         # On CUDA the forward runs asynchronously: its time lands in "sample", at the sync.
         sample_start = time.perf_counter()
         self.timings["forward"] += sample_start - forward_start
         # One row per request, k + 1 for a request with k drafts (the positions it verifies).
         rows = verification_rows(sampling, out.scheduled_spec_decode_tokens)
+        failed: dict[str, str] = {}
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r, _ in rows], [r.prompt_token_ids for r, _ in rows],
-            [output for _, output in rows], [self._generator(r) for r, _ in rows],
+            [output for _, output in rows], [self._generator(r, failed) for r, _ in rows],
             eos_token_id=sampling[0].eos_token_id, vocab_size=self.vocab_size, device=self.device)
         if out.grammar_bitmask is not None:
             metadata.grammar_bitmask, metadata.grammar_rows = self._grammar_bitmask(out, rows)
         result = self.sampler(logits, metadata)
+        row_tokens = result.sampled_token_ids.tolist()
+        for (request, _), token in zip(rows, row_tokens):
+            if token < 0:      # the sampler's mark of a row that was not finite
+                failed.setdefault(request.request_id, "its logits or probabilities were not "
+                                  "finite (NaN or infinity)")
         ids = [r.request_id for r, _ in rows]
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        sampled = sampled_per_request(sampling, out.scheduled_spec_decode_tokens,
-                                      result.sampled_token_ids.tolist())
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs)
+                    if lp is not None and rid not in failed}
+        sampled = sampled_per_request(sampling, out.scheduled_spec_decode_tokens, row_tokens)
+        for request_id in failed:
+            del sampled[request_id]
         self.timings["sample"] += time.perf_counter() - sample_start
-        return sampled, logprobs
+        return sampled, logprobs, failed
 
     def _grammar_bitmask(self, out: SchedulerOutput, rows: list):
         """The step's grammar bitmask (the engine core's, structured_output.py) on this device,
@@ -264,13 +275,21 @@ class ModelRunner:
         return (out.grammar_bitmask.to(self.device, non_blocking=True),
                 torch.tensor(rows, dtype=torch.int64, device=self.device))
 
-    def _generator(self, request) -> Optional[torch.Generator]:
-        """The request's own generator; a request's k + 1 verified rows draw from it in turn."""
+    def _generator(self, request, failed: dict[str, str]) -> Optional[torch.Generator]:
+        """The request's own generator; a request's k + 1 verified rows draw from it in turn.
+        A seed no generator takes (past 64 bits: SamplingParams refuses it, but a Request can be
+        built by hand) fails its request alone, in `failed`; its row draws from a throwaway."""
         seed = request.sampling_params.seed
         if seed is None:
             return None
         if request.request_id not in self.generators:
-            self.generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
+            generator = torch.Generator(self.device)
+            try:
+                generator.manual_seed(seed)
+            except (ValueError, RuntimeError) as e:       # "Overflow when unpacking long long"
+                failed[request.request_id] = f"its seed cannot seed a generator: {e}"
+                return generator
+            self.generators[request.request_id] = generator
         return self.generators[request.request_id]
 
 

@@ -21,6 +21,9 @@ penalties + argmax. Worked example, one row, temperature 0.5, top_k 2:
     top_k 2 keeps the two largest             -> [4.0, 2.0, -inf, -inf]
     softmax: token 0 w.p. 0.881, token 1 w.p. 0.119, tokens 2 and 3 never
 
+A row whose logits or probabilities are not finite (a NaN, an inf: a model's overflow, or what a
+parameter made of them) samples no token: -1, which fails that row's request alone.
+
 The model runner builds `SamplingMetadata.from_requests(...)` once per step, then calls `Sampler()`.
 Tests: pytest -x -q tests/test_sampler.py
 Lesson: lessons/07-sampling-and-config.md
@@ -210,7 +213,7 @@ class TokenLogprobs:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: Tensor                   # [n] int64
+    sampled_token_ids: Tensor                   # [n] int64; -1: the row was not finite
     logprobs: list[Optional[TokenLogprobs]]     # per row; None where the request did not ask
 
 
@@ -306,8 +309,12 @@ class Sampler:
             logits[md.min_tokens_rows, md.min_tokens_token_ids] = _NEG_INF
         logits = apply_penalties(logits, md)
 
+        # Each row's largest logit (NaN if it has one): a NaN, an inf or -inf (every token
+        # masked) there, and the row has no probabilities and no token: -1, fetched with the
+        # tokens (no extra sync), which fails that request alone (engine_core.py).
         if md.all_greedy:
             sampled = self.argmax(logits)
+            row_max = logits.gather(1, sampled[:, None]).squeeze(1)   # the argmax picks a NaN
         else:
             greedy_ids = self.argmax(logits) if md.greedy is not None else None
             if md.temperature is not None:
@@ -316,10 +323,12 @@ class Sampler:
                 logits = apply_min_p(logits, md.min_p)
             if md.top_k is not None or md.top_p is not None:
                 logits = apply_top_k_top_p(logits, md.top_k, md.max_top_k, md.top_p)
+            row_max = logits.amax(dim=-1)
             sampled = self._sample(logits, md.generators)
             if greedy_ids is not None:
                 sampled = torch.where(md.greedy, greedy_ids, sampled)
-        return SamplerOutput(sampled, _logprobs(raw_logits, sampled, md))
+        logprobs = _logprobs(raw_logits, sampled, md)
+        return SamplerOutput(sampled.masked_fill(~row_max.isfinite(), -1), logprobs)
 
     def _sample(self, logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
         """Exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is token i with

@@ -20,18 +20,30 @@ regex, a choice or an EBNF grammar (structured_output.py):
     ValueError: structured_outputs must set exactly one of json, regex, choice, grammar, json_object (got ['regex', 'choice'])
 
 Validation happens here, at construction, so bad input is refused before it reaches the
-engine; the checks that need the model (stop_token_ids against the vocabulary, logprobs against
-max_logprobs) are Processor's (engine.py). The sampler re-checks none of it, only asserts.
-Torch-free: the scheduler and the API server read it too.
+engine: every number is finite and fits the type the step computes it in (a seed is an int64,
+a float a float32), so no value that passed can make a step raise. A temperature in
+(0, 0.01) is raised to 0.01, as vLLM does (dividing by less overflows the float32 logits), and
+a repetition penalty, which divides them too, must be >= 0.01. The checks that need the
+model (stop_token_ids against the vocabulary, logprobs against max_logprobs) are Processor's
+(engine.py). The sampler re-checks none of it, only asserts. Torch-free: the scheduler and the
+API server read it too.
 """
 
 from __future__ import annotations
 
 import json as json_module
+import logging
 from dataclasses import dataclass
 from typing import Optional, Union
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's floor (vllm/sampling_params.py, _MAX_TEMP): 0 < temperature < it is raised to it, with a
+# warning, since logits / 1e-300 are inf in float32 and the row's probabilities NaN.
+_MAX_TEMP = 1e-2
+FLOAT32_MAX = 3.4028234663852886e38   # the sampler's floats: a larger |value| is inf there
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # a seed's range (torch.Generator; vLLM's protocol too)
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
 
 
 @dataclass
@@ -90,7 +102,7 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0    # -2..2, once per token that has appeared in the output
     frequency_penalty: float = 0.0   # -2..2, per occurrence in the output
-    repetition_penalty: float = 1.0  # > 0; > 1 discourages tokens of prompt and output
+    repetition_penalty: float = 1.0  # >= 0.01; > 1 discourages tokens of prompt and output
     logprobs: Optional[int] = None   # also return the top-n logprobs of each sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -104,15 +116,22 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1", self.n)
-        _check(is_num(self.temperature) and self.temperature >= 0, "temperature",
-               "must be >= 0", self.temperature)
-        _check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
-               self.top_p)
+        for name in _FLOAT_FIELDS:     # NaN and +-inf fail the comparison too
+            value = getattr(self, name)
+            _check(is_num(value) and -FLOAT32_MAX <= value <= FLOAT32_MAX, name,
+                   "must be a finite number (within float32's range)", value)
+        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        if 0 < self.temperature < _MAX_TEMP:
+            logging.getLogger("nanoserve").warning(
+                "temperature %s is below %s, which makes the logits inf or NaN; raised to %s "
+                "(as vLLM does)", self.temperature, _MAX_TEMP, _MAX_TEMP)
+            self.temperature = _MAX_TEMP
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _check(is_int(self.top_k) and self.top_k >= 0, "top_k",
                "must be an integer >= 0 (0 or -1 disables it)", self.top_k)
-        _check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]",
-               self.min_p)
-        _check(self.seed is None or is_int(self.seed), "seed", "must be an integer", self.seed)
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _check(self.seed is None or (is_int(self.seed) and INT64_MIN <= self.seed <= INT64_MAX),
+               "seed", "must be an integer in [-2**63, 2**63 - 1] (an int64)", self.seed)
         _check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", "must be an integer >= 1", self.max_tokens)
         _check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
@@ -125,9 +144,11 @@ class SamplingParams:
                "must be token ids (integers >= 0)", self.stop_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(is_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]", value)
-        _check(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", "must be > 0", self.repetition_penalty)
+            _check(-2 <= value <= 2, name, "must be in [-2, 2]", value)
+        # It divides the positive logits, as a temperature does: below vLLM's temperature floor
+        # they overflow float32 (vLLM itself takes any value > 0).
+        _check(self.repetition_penalty >= _MAX_TEMP, "repetition_penalty",
+               f"must be >= {_MAX_TEMP}", self.repetition_penalty)
         _check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
                "logprobs", "must be an integer >= 0", self.logprobs)
         _check(self.structured_outputs is None or isinstance(self.structured_outputs,
@@ -154,4 +175,4 @@ def is_num(x) -> bool:
 
 def _check(ok: bool, name: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule} (got {value!r})")
+        raise ValueError(f"{name} {rule} (got {value!r:.100})")   # 100 characters of it at most

@@ -171,12 +171,14 @@ class StructuredOutputManager:
         return xgrammar.GrammarMatcher(compiler.compile_grammar('root ::= ""'),
                                        override_stop_tokens=stop_ids)
 
-    def accept_tokens(self, sampled: dict[str, int]) -> None:
-        """Advance each structured request's matcher by the token it sampled."""
+    def accept_tokens(self, sampled: dict[str, int]) -> list[str]:
+        """Advance each structured request's matcher by the token it sampled; returns the
+        requests whose grammar refused it (its bitmask allowed it: a bug), which fail alone."""
+        refused = []
         if not self.matchers:
-            return
+            return refused
         for request_id, token in sampled.items():
             matcher = self.matchers.get(request_id)
             if matcher is not None and not matcher.accept_token(token):
-                raise RuntimeError(f"request {request_id}: the grammar refused token {token}, "
-                                   "which its bitmask allowed")
+                refused.append(request_id)
+        return refused
