@@ -1,7 +1,9 @@
 """CUDA graphs' bookkeeping, on CPU (no GPU, nothing timed): the capture sizes and the padding of
 a decode step up to one (step_inputs.py), the persistent inputs that keep their addresses, a
 padded step == the unpadded one on the torch reference, the CPU backend and the Triton kernels
-(interpreted).
+(interpreted), and cuda/graphs.py's capture and replay with a stand-in for torch.cuda.CUDAGraph
+that runs the forward: the model's own forward is what is captured (its hooks fire), and greedy
+through padded, replayed decode steps == HF generate.
 
     pytest -q tests/test_cuda_graphs.py
 
@@ -19,8 +21,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
+from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.config import Config  # noqa: E402
 from nanoserve.cpu import kernels as cpu_kernels  # noqa: E402
+from nanoserve.cuda.graphs import CUDAGraphWrapper  # noqa: E402
 from nanoserve.layers import Attention, RopeStoreKV  # noqa: E402
 from nanoserve.models import get_model_class  # noqa: E402
 from nanoserve.step_inputs import PAD_SLOT_ID, StepInputs, padded_batch_size  # noqa: E402
@@ -172,3 +176,68 @@ def test_padded_step_equals_unpadded(backend):
             rows = lambda t: t.view(16 * BLOCK, -1)
             assert torch.equal(rows(new)[~real], rows(old)[~real])
             assert same(rows(new)[real], rows(unpadded)[real])
+
+
+# ------------------------------------------------------------------------ capture and replay
+
+
+class StandInGraph:
+    """torch.cuda.CUDAGraph's part in graphs.py, on CPU: capture runs the forward and keeps it;
+    replay runs it again into the same output tensor (a graph rewrites its output in place)."""
+    captured: list[int] = []   # the sizes, in capture order
+    replays = 0
+
+    def __init__(self, pool):
+        self.forward = self.output = None
+
+    @staticmethod
+    def new_pool():
+        return None
+
+    def capture(self, forward):
+        self.forward, self.output = forward, forward()
+        StandInGraph.captured.append(self.output.shape[0])
+        return self.output
+
+    def replay(self):
+        StandInGraph.replays += 1
+        return self.output.copy_(self.forward())
+
+
+@torch.inference_mode()
+def test_capture_records_the_models_forward_largest_first():
+    model, calls = make_model(), []
+    model.model.layers[0].register_forward_hook(lambda module, args, out: calls.append(args[1].shape[0]))
+    inputs, caches = StepInputs(64, 8, 8, CPU), new_kv_caches()
+    StandInGraph.captured, StandInGraph.replays = [], 0
+    graphs = CUDAGraphWrapper(model, [1, 2, 4, 8], graph_type=StandInGraph)
+    graphs.capture(inputs, caches)
+    assert StandInGraph.captured == [8, 4, 2, 1]
+    assert calls == [8, 8, 4, 4, 2, 2, 1, 1]   # a warm-up and the capture per size: the model ran
+    input_ids, positions, meta, _ = inputs.place(**decode_step(**STEP), num_rows=4)
+    replayed = graphs(input_ids, positions, caches, meta).clone()
+    assert StandInGraph.replays == 1
+    # Eager at the same size, in the real rows (a padded row's attention output is never written).
+    assert torch.equal(replayed[:3], model(input_ids, positions, caches, meta)[:3])
+    for num_rows, kv in ((None, caches), (4, new_kv_caches())):   # unpadded; another KV cache
+        input_ids, positions, meta, _ = inputs.place(**decode_step(**STEP), num_rows=num_rows)
+        graphs(input_ids, positions, kv, meta)
+    assert StandInGraph.replays == 1
+
+
+@pytest.mark.parametrize("kernels", ["0", "1"])
+def test_greedy_through_replayed_decode_steps_equals_hf(checkpoint, kernels, monkeypatch):
+    """The engine with its decode steps padded and replayed (the stand-in) == HF, token for token,
+    on Llama, Qwen2 and Qwen3, on the torch reference and the CPU backend; prefills run eagerly."""
+    from test_llm import check_against_hf, workload
+    monkeypatch.setenv("NANOSERVE_CPU_KERNEL", kernels)
+    path, hf_model = checkpoint
+    llm = LLM(path, block_size=16, max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
+    runner, sizes = llm.engine.runner, [1, 2, 4, 8]
+    graphs = CUDAGraphWrapper(runner.backend.forward, sizes, graph_type=StandInGraph)
+    StandInGraph.replays = 0
+    graphs.capture(runner.inputs, runner.kv_caches)
+    runner.backend.forward, runner.backend.cudagraph_capture_sizes = graphs, sizes
+    prompts, max_tokens = workload(n=6)
+    check_against_hf(llm, hf_model, prompts, max_tokens)
+    assert StandInGraph.replays > 10
