@@ -3,8 +3,9 @@
 It owns everything with a tensor in it: the weights, the KV cache tensors, the flat
 batch inputs and the sampler. Once per step it builds ONE flat batch of every scheduled
 token (no batch dimension; padded only to replay a captured decode step) plus the metadata
-that tells attention where each request's tokens live. Example, block_size 4, request A decodes its 10th token with block
-table [7, 1, 3], request B prefills a 3-token prompt into block [5]:
+that tells attention where each request's tokens live. Example, block_size 4, request A
+decodes its 10th token with block table [7, 1, 3], request B prefills a 3-token prompt into
+block [5]:
 
     input_ids       [a9, b0, b1, b2]
     positions       [9, 0, 1, 2]

@@ -38,7 +38,7 @@ from torch import Tensor
 from nanoserve.attention_metadata import AttentionMetadata
 
 PAD_SLOT_ID = -1   # vLLM's name: a token with no cache slot
-ALIGN = 16         # bytes: Triton specialises a kernel on 16-byte aligned pointers; keep them all so
+ALIGN = 16         # bytes: Triton specialises a kernel on 16-byte aligned pointers: keep all so
 
 
 def padded_batch_size(n: int, sizes: list[int]) -> Optional[int]:
@@ -57,7 +57,7 @@ def padded_batch_size(n: int, sizes: list[int]) -> Optional[int]:
 class StepInputs:
     """The persistent buffers: `views` (on the device) and `host_views` (pinned on CUDA), by name.
     The block tables come last, so that a step copies only the prefix it uses: the token
-    arrays whole (a few KiB) and its requests' rows of the block table."""
+    arrays whole (64 KiB at 2,048 tokens) and its requests' rows of the block table."""
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
                  device: torch.device):
@@ -94,7 +94,8 @@ class StepInputs:
         logits_indices): views of the device buffer."""
         num_tokens, num_reqs, width = len(input_ids), len(seq_lens), block_tables.shape[1]
         rows, reqs = (num_rows, num_rows) if num_rows else (num_tokens, num_reqs)
-        if rows > self.max_num_tokens or reqs > self.max_num_reqs or width > self.max_blocks_per_req:
+        if (rows > self.max_num_tokens or reqs > self.max_num_reqs
+                or width > self.max_blocks_per_req):
             raise ValueError(f"a step of {rows} tokens, {reqs} requests and {width} blocks a "
                              f"request is past the step buffers' {self.max_num_tokens}, "
                              f"{self.max_num_reqs} and {self.max_blocks_per_req}")
@@ -115,17 +116,18 @@ class StepInputs:
             self.copied.record()
         dev = self.views
         meta = AttentionMetadata(
-            slot_mapping=dev["slot_mapping"][:rows], block_tables=dev["block_tables"][:reqs, :width],
+            slot_mapping=dev["slot_mapping"][:rows],
+            block_tables=dev["block_tables"][:reqs, :width],
             seq_lens=dev["seq_lens"][:reqs], query_start_loc=dev["query_start_loc"][:reqs + 1],
             max_query_len=max_query_len)
-        return dev["input_ids"][:rows], dev["positions"][:rows], meta, \
-            dev["logits_indices"][:len(logits_indices)]
+        return (dev["input_ids"][:rows], dev["positions"][:rows], meta,
+                dev["logits_indices"][:len(logits_indices)])
 
     def padded_decode(self, size: int) -> tuple[Tensor, Tensor, AttentionMetadata]:
         """A decode step of `size` rows, all of them padding (the step a graph is captured on):
         (input_ids, positions, AttentionMetadata) over the whole width of the block tables."""
         none = torch.zeros(0, dtype=torch.int64)
         tables = torch.zeros(0, self.max_blocks_per_req, dtype=torch.int32)
-        input_ids, positions, meta, _ = self.place(none, none, none, none, torch.zeros(1, dtype=torch.int64),
-                                                   tables, none, max_query_len=1, num_rows=size)
+        input_ids, positions, meta, _ = self.place(none, none, none, none, torch.zeros(1), tables,
+                                                   none, max_query_len=1, num_rows=size)
         return input_ids, positions, meta

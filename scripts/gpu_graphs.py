@@ -231,7 +231,8 @@ def llama_8b_shape(num_layers: int, quantization):
                 p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
         for m in model.modules():
             if isinstance(m, Linear) and m.quantization:
-                m.weight.data, m.weight_scale = quantize(torch.randn(m.out_features, m.in_features, device="cuda") * 0.02, quantization)
+                w = torch.randn(m.out_features, m.in_features, device="cuda") * 0.02
+                m.weight.data, m.weight_scale = quantize(w, quantization)
     return model, bind(model, Config(max_num_seqs=1, block_size=16), torch_gemm_paths(model))
 
 
@@ -246,8 +247,9 @@ def time_8b_step(num_layers: int, quantization, seq_len: int = 1024) -> tuple:
     inputs = StepInputs(16, 1, blocks + 1, torch.device("cuda"))
     backend.capture(inputs, kv)
     pos = torch.tensor([seq_len - 1])
+    table = torch.arange(blocks, dtype=torch.int32)[None]    # the identity: slot == position
     ids, positions, meta, _ = inputs.place(torch.tensor([7]), pos, pos, pos + 1, torch.arange(2),
-                                           torch.arange(blocks, dtype=torch.int32)[None], torch.zeros(1), 1, num_rows=1)
+                                           table, torch.zeros(1), 1, num_rows=1)
     step = lambda forward: model.compute_logits(forward(ids, positions, kv, meta)[:1])
     times = [gpu_us(lambda f=f: step(f), calls=20) for f in (backend.forward.model, backend.forward)]
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed" not in n)

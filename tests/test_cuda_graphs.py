@@ -107,8 +107,9 @@ def test_inputs_keep_their_addresses_and_pad_inert():
     storage = inputs.buffer.untyped_storage().data_ptr()
     for num_rows in (None, 4, 8, None):
         input_ids, positions, meta, logits_indices = inputs.place(**decode_step(**STEP), num_rows=num_rows)
-        for name, t in (("input_ids", input_ids), ("positions", positions), ("logits_indices", logits_indices),
-                        *((n, getattr(meta, n)) for n in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"))):
+        fields = ("slot_mapping", "seq_lens", "query_start_loc", "block_tables")
+        for name, t in (("input_ids", input_ids), ("positions", positions),
+                        ("logits_indices", logits_indices), *((n, getattr(meta, n)) for n in fields)):
             assert t.data_ptr() == ptrs[name] and t.untyped_storage().data_ptr() == storage, name
     assert {name: view.data_ptr() for name, view in inputs.views.items()} == ptrs
     _, _, meta, _ = inputs.place(**decode_step(**STEP), num_rows=8)
@@ -147,8 +148,10 @@ def bound(backend: str):
     return cpu.forward, cpu.build_metadata
 
 
-BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler")),
-            pytest.param("triton", marks=pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1", reason="CPU only"))]
+BACKENDS = ["torch",
+            pytest.param("cpu", marks=pytest.mark.skipif(cpu_kernels.load() is None, reason="no C")),
+            pytest.param("triton", marks=pytest.mark.skipif(os.environ["TRITON_INTERPRET"] != "1",
+                                                            reason="interpreted: a CPU test"))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

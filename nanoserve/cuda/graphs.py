@@ -28,7 +28,7 @@ model at attention: not built here):
     BLOCK_Q tokens) and the tokens a request vary, so one graph per batch size cannot hold them;
   - speculative steps (1 + k tokens a request): eager, for the same reason (graphs of 1 + k tokens
     a request would do, as vLLM's uniform_decode_query_len; not built);
-  - structured outputs: replay: the grammar bitmask masks the logits in the sampler, after the graph;
+  - structured outputs: replay: the grammar bitmask masks the logits in the sampler, after it;
   - tensor parallel > 1: eager (bind captures nothing): each layer's all-reduce is a collective
     that every rank would have to replay in lockstep (vLLM captures its own all-reduce, on
     registered buffers); not built;
@@ -99,6 +99,7 @@ class CUDAGraphWrapper:
         # A replay reads the captured addresses: only a decode step of a captured size, in the
         # persistent inputs and this KV cache (not, say, the memory profile's own).
         if (graph is None or attn_metadata.max_query_len != 1 or attn_metadata.num_reqs != size
-                or kv_caches is not self.kv_caches or input_ids.data_ptr() != captured_ids.data_ptr()):
+                or kv_caches is not self.kv_caches
+                or input_ids.data_ptr() != captured_ids.data_ptr()):
             return self.model(input_ids, positions, kv_caches, attn_metadata)
         return graph.replay()
