@@ -228,6 +228,20 @@ def test_capture_records_the_models_forward_largest_first():
     assert StandInGraph.replays == 1
 
 
+def test_bind_captures_at_one_rank_unless_eager(monkeypatch):
+    """cuda/backend.py's bind, on CPU (its compile and the device query stubbed): the forward is
+    wrapped for graphs at one rank; under enforce_eager or tensor parallel it is the model."""
+    import nanoserve.cuda.backend as cuda_backend
+    monkeypatch.setattr(cuda_backend, "compile_kernels", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    for config, sizes in ((Config(max_num_seqs=8), [1, 2, 4, 8]), (Config(enforce_eager=True), []),
+                          (Config(tensor_parallel_size=2), [])):
+        model = make_model()
+        backend = cuda_backend.bind(model, config, {})
+        assert backend.cudagraph_capture_sizes == sizes
+        assert isinstance(backend.forward, CUDAGraphWrapper) if sizes else backend.forward is model
+
+
 @pytest.mark.parametrize("kernels", ["0", "1"])
 def test_greedy_through_replayed_decode_steps_equals_hf(checkpoint, kernels, monkeypatch):
     """The engine with its decode steps padded and replayed (the stand-in) == HF, token for token,
