@@ -107,9 +107,11 @@ class StepInputs:
                 ("slot_mapping", slot_mapping, rows, PAD_SLOT_ID), ("seq_lens", seq_lens, reqs, 0),
                 ("query_start_loc", query_start_loc, reqs + 1, num_tokens),
                 ("logits_indices", logits_indices, len(logits_indices), 0)):
-            host[name][:len(values)] = values
-            host[name][len(values):length] = pad
-        host["block_tables"][:num_reqs, :width] = block_tables   # padded rows: never read
+            n = values.shape[0]
+            host[name][:n].copy_(values)
+            if length > n:
+                host[name][n:length] = pad
+        host["block_tables"][:num_reqs, :width].copy_(block_tables)   # padded rows: never read
         if self.buffer is not self.host:
             end = self.offsets["block_tables"] + reqs * self.max_blocks_per_req * 4
             self.buffer[:end].copy_(self.host[:end], non_blocking=True)

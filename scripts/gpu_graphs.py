@@ -71,6 +71,7 @@ def decode_step(runner, n: int, size: int, width: int = 8):
     return ids, positions, meta
 
 
+@torch.inference_mode()   # the eager forward as the runner calls it: no autograd
 def replay_equals_eager(dtype: str, prompts: list[str]) -> str:
     """The built-in model's graphs against its eager forward at the same padded size."""
     llm = LLM(device="cuda", dtype=dtype, kv_cache_memory_gb=1)
@@ -135,6 +136,7 @@ def launches(fn, calls: int = 5) -> tuple[float, float, float]:
             sum(c for name, c in host.items() if "GraphLaunch" in name) / calls, kernels / calls)
 
 
+@torch.inference_mode()
 def launch_counts() -> str:
     """Launches of one decode forward at batch 1, bf16, built-in model: eager and replayed."""
     llm = LLM(device="cuda", dtype="bfloat16", kv_cache_memory_gb=1)
@@ -236,6 +238,7 @@ def llama_8b_shape(num_layers: int, quantization):
     return model, bind(model, Config(max_num_seqs=1, block_size=16), torch_gemm_paths(model))
 
 
+@torch.inference_mode()
 def time_8b_step(num_layers: int, quantization, seq_len: int = 1024) -> tuple:
     """((wall, GPU) µs eager, (wall, GPU) µs replayed, bytes read) of one batch-1 decode step
     (forward and LM head) at seq_len."""
