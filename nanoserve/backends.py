@@ -1,7 +1,8 @@
 """backends.py: the seam's registry. Which form each op of the model takes (layers.py), chosen once
 at load for the device, and never per call:
 
-    cuda   cuda/backend.py: the Triton paged-attention kernels; cuBLAS products (F.linear)
+    cuda   cuda/backend.py: the Triton paged-attention kernels; cuBLAS products (F.linear);
+           decode steps replayed as CUDA graphs (cuda/graphs.py)
     cpu    cpu/backend.py: the C kernels, each product on the path timed fastest on this CPU, and
            the fused step; where the C kernels cannot be built, the torch reference
     else   the torch reference (layers.py's forward_native), also on CPU with NANOSERVE_CPU_KERNEL=0
@@ -27,7 +28,7 @@ def load_backend(model, config: Config, device: torch.device) -> Backend:
     """Bind `model`'s ops to the backend for `device` (the module docstring)."""
     if device.type == "cuda":
         from nanoserve.cuda.backend import bind
-        return bind(model, config.block_size, torch_gemm_paths(model))
+        return bind(model, config, torch_gemm_paths(model))
     if device.type == "cpu" and os.environ.get("NANOSERVE_CPU_KERNEL") != "0":
         from nanoserve.cpu.backend import bind
         backend = bind(model, config)

@@ -77,6 +77,12 @@ class Config:
     enable_chunked_prefill: bool = _f(True, "Split long prompts over several steps.")
     scheduling_policy: str = _f("fcfs", "Who is admitted first, and who is preempted first.",
                                 ("fcfs", "priority"))
+    # -- CUDA graphs (vLLM's names; cuda/graphs.py) -----------------------------
+    enforce_eager: bool = _f(False, "Run every step op by op: capture no CUDA graphs.")
+    cudagraph_capture_sizes: Optional[list[int]] = _f(
+        None, "Batch sizes at which decode-only steps are captured as CUDA graphs and replayed "
+        "(a step is padded up to the next size; above the largest it runs eagerly). Default: "
+        "vLLM's 1 2 4 8 16 ... 248 (by 8) 256 272 ... (by 16), up to max_num_seqs.")
     # -- sampling and observability -----------------------------------------
     max_logprobs: int = _f(20, "Largest `logprobs` a request may ask for.")
     speculative_config: Optional[SpeculativeConfig] = _f(
@@ -158,6 +164,7 @@ class Config:
             # Kept as a SpeculativeConfig (a dict or JSON string is parsed here, once).
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "cudagraph_capture_sizes", _capture_sizes(self))
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             # Without chunking a whole prompt must fit in one step's budget.
@@ -201,7 +208,10 @@ class Config:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind = _base_type(f.type)
-            if kind is bool:
+            if f.type == "Optional[list[int]]":     # --cudagraph-capture-sizes 1 2 4 8
+                parser.add_argument(flag, type=int, nargs="+", default=f.default,
+                                    help=f.metadata["help"])
+            elif kind is bool:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction,
                                     default=f.default, help=f.metadata["help"])
             else:
@@ -279,6 +289,27 @@ def _positive_int(config: Config, name: str) -> None:
     value = getattr(config, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer (got {value!r})")
+
+
+def _capture_sizes(config: Config) -> list[int]:
+    """The decode batch sizes to capture, ascending; none under enforce_eager.
+
+    >>> Config(max_num_seqs=20).cudagraph_capture_sizes
+    [1, 2, 4, 8, 16]
+    """
+    if config.enforce_eager:
+        return []
+    sizes = config.cudagraph_capture_sizes
+    if sizes is None:
+        # vLLM's default list (vllm/config/vllm.py, VllmConfig._set_cudagraph_sizes): every size
+        # up to 4, then every 8th below 256, then every 16th.
+        sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, config.max_num_seqs + 1, 16))
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes):
+        raise ValueError(f"cudagraph_capture_sizes must be positive integers (got {sizes!r})")
+    # vLLM caps its list at 2 x max_num_seqs (room for speculative decoding's k + 1 tokens a
+    # request); here only steps of one token a request are captured: at most max_num_seqs rows.
+    limit = min(config.max_num_seqs, config.max_num_batched_tokens)
+    return sorted({s for s in sizes if s <= limit})
 
 
 def _check_data_parallel(config: Config) -> None:

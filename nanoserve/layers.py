@@ -163,13 +163,19 @@ class Backend:
     argmax:         the sampler's greedy argmax over logits rows
     new_kv_cache:   allocates one layer's K or V cache
     gemm_paths:     how each product shape multiplies, for `nanoserve bench` ({'576x1536 float32':
-                    'kernel'}); 'torch' is F.linear"""
+                    'kernel'}); 'torch' is F.linear
+    cudagraph_capture_sizes: the batch sizes at which `forward` replays a captured decode step
+                    (cuda/graphs.py): the runner pads a decode-only step up to the next one
+                    (step_inputs.py); empty: every step runs as it is
+    capture:        records those steps, once, given the runner's persistent inputs and KV cache"""
     name: str
     forward: Callable[..., Tensor]
     build_metadata: Callable[[AttentionMetadata], AttentionMetadata] = lambda md: md
     argmax: Callable[[Tensor], Tensor] = greedy_argmax
     new_kv_cache: Callable[..., Tensor] = new_kv_cache
     gemm_paths: dict[str, str] = field(default_factory=dict)
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    capture: Callable[..., None] = lambda inputs, kv_caches: None
 
 
 def gemm_label(linear: Linear, dtype: torch.dtype) -> str:

@@ -2,9 +2,10 @@
 
 It owns everything with a tensor in it: the weights, the KV cache tensors, the flat
 batch inputs and the sampler. Once per step it builds ONE flat batch of every scheduled
-token (no padding, no batch dimension) plus the metadata that tells attention where each
-request's tokens live. Example, block_size 4, request A decodes its 10th token with block
-table [7, 1, 3], request B prefills a 3-token prompt into block [5]:
+token (no batch dimension; padded only to replay a captured decode step) plus the metadata
+that tells attention where each request's tokens live. Example, block_size 4, request A
+decodes its 10th token with block table [7, 1, 3], request B prefills a 3-token prompt into
+block [5]:
 
     input_ids       [a9, b0, b1, b2]
     positions       [9, 0, 1, 2]
@@ -39,7 +40,6 @@ from typing import Optional
 
 import torch
 
-from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.backends import load_backend
 from nanoserve.config import Config
 from nanoserve.distributed import SINGLE, TensorParallel
@@ -53,6 +53,7 @@ from nanoserve.quantization import check_quantization, log_widening
 from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
 from nanoserve.spec_decode import sampled_per_request, verification_rows
+from nanoserve.step_inputs import StepInputs, padded_batch_size
 
 
 def batch_indices(num_scheduled: torch.Tensor, num_computed: torch.Tensor,
@@ -95,6 +96,10 @@ class ModelRunner:
         log_widening(self.gemm_paths)    # one line where fp8 weights are widened in the product
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = config.block_size
+        # Every step's inputs, the memory profile's too, at fixed addresses (step_inputs.py).
+        max_len = min(config.max_model_len or max_len_of(self.model), max_len_of(self.model))
+        self.inputs = StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
+                                 max_len // self.block_size + 1, self.device)
         self.config = config.resolve(max_position_embeddings=max_len_of(self.model),
                                      num_kv_blocks=self._num_kv_blocks(config))
         needed = -(-self.config.max_model_len // self.block_size)
@@ -105,6 +110,8 @@ class ModelRunner:
                 f"of max_model_len ({self.config.max_model_len}); lower max_model_len or raise "
                 f"num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization")
         self.kv_caches = self._allocate_kv_caches(self.config.num_kv_blocks)
+        # A captured graph reads these caches and inputs where they are: captured now, once.
+        self.backend.capture(self.inputs, self.kv_caches)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed),
                                argmax=self.backend.argmax)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its seeded generator
@@ -188,7 +195,9 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput):
         """The flat batch: (input_ids, positions, AttentionMetadata, logits_indices, rows that
-        sample). See the module docstring for a worked example."""
+        sample). See the module docstring for a worked example. A decode-only step (one new
+        token a request) is padded with inert rows up to the backend's next capture size, where
+        it replays a captured graph (step_inputs.py); the tensors are views of `self.inputs`."""
         input_ids: list[int] = []
         spec = out.scheduled_spec_decode_tokens
         num_drafts = [len(spec.get(req.request_id, ())) if spec else 0 for req in out.requests]
@@ -209,14 +218,14 @@ class ModelRunner:
             logits_indices = verified_positions(query_start_loc, samples, num_drafts)
         else:          # the last token of each request that samples
             logits_indices = (query_start_loc[1:] - 1)[torch.tensor(samples, dtype=torch.bool)]
-        to = dict(device=self.device, non_blocking=True)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(**to), block_tables=block_tables.to(**to),
-            seq_lens=seq_lens.to(dtype=torch.int32, **to),
-            query_start_loc=query_start_loc.to(dtype=torch.int32, **to),
-            max_query_len=max(out.num_scheduled_tokens))
-        return (torch.tensor(input_ids, device=self.device), positions.to(**to), meta,
-                logits_indices.to(**to), [r for r, s in zip(out.requests, samples) if s])
+        max_query_len = max(out.num_scheduled_tokens)
+        padded = (padded_batch_size(len(out.requests), self.backend.cudagraph_capture_sizes)
+                  if max_query_len == 1 else None)
+        input_ids, positions, meta, logits_indices = self.inputs.place(
+            torch.tensor(input_ids), positions, slot_mapping, seq_lens, query_start_loc,
+            block_tables, logits_indices, max_query_len, num_rows=padded)
+        return (input_ids, positions, meta, logits_indices,
+                [r for r, s in zip(out.requests, samples) if s])
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput

@@ -45,12 +45,13 @@ from nanoserve.attention_metadata import AttentionMetadata
 def store_kv_torch(
     key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
 ) -> None:
-    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into slots `slot_mapping` of the caches."""
+    """Write key/value `[num_tokens, num_kv_heads, head_dim]` into slots `slot_mapping` of the caches;
+    a token whose slot is -1 (a padded row of a captured step: step_inputs.py) is not stored."""
     # Viewing [num_blocks, block_size, kv_heads, dim] as [num_slots, kv_heads * dim] makes a slot
     # a plain row index (and the copy a row memcpy).
-    row = k_cache.shape[2] * k_cache.shape[3]
-    k_cache.view(-1, row).index_copy_(0, slot_mapping, key.reshape(-1, row))
-    v_cache.view(-1, row).index_copy_(0, slot_mapping, value.reshape(-1, row))
+    row, stored = k_cache.shape[2] * k_cache.shape[3], slot_mapping >= 0
+    k_cache.view(-1, row)[slot_mapping[stored]] = key.reshape(-1, row)[stored]
+    v_cache.view(-1, row)[slot_mapping[stored]] = value.reshape(-1, row)[stored]
 
 
 def _gather_kv(rows: Tensor, block_ids: Tensor, seq_len: int, kv_shape) -> Tensor:

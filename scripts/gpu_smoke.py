@@ -15,6 +15,8 @@ Sections, in order; each runs even when one before it failed (a failure prints i
   speculation      n-gram drafts: greedy == greedy without them, alone and batched; acceptance
   seeded sampling  a seeded request alone == the same request inside a batch of 8
   throughput       bench's workload (tools/bench.py), batch-1 decode; bf16, fp8, int8: tok/s, step split
+  graphs           CUDA graphs (gpu_graphs.py): replay == eager, greedy == --enforce-eager, launches a step
+  graph speed      eager vs graphs: bf16/fp8/int8 at batch 1, 8, 64; HF generate; Llama-3-8B shape vs its bound
   serve            `nanoserve serve --device cuda` answers one /v1/completions on loopback
   kernel tests     tests/test_paged_attention_triton.py with the kernels compiled (TRITON_INTERPRET=0)
   past 2^31        a bf16 step with blocks past 2^31 cache elements (last: a fault there breaks the context)
@@ -37,6 +39,7 @@ from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, whatever the caller's environment says
 import torch  # noqa: E402
+from gpu_graphs import free_cuda_memory, gpu_us, graph_speed, graphs  # noqa: E402  (scripts/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Once upon a time", "The little dog", "A bird sang", "Tell me a story about a cat."]
@@ -142,13 +145,6 @@ def past_int32() -> str:
 # -------------------------------------------------------------------------------------------- LLM
 
 
-def free_cuda_memory() -> None:
-    """Hand a deleted LLM's weights and KV pool back, before the next one profiles the free memory."""
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 @functools.cache
 def greedy(device: str, dtype: str) -> tuple:
     from nanoserve import LLM, SamplingParams
@@ -235,25 +231,6 @@ def serve() -> str:
 
 
 # ------------------------------------------------------------------- quantization and speculation
-
-
-def gpu_us(fn, calls: int = 50) -> tuple[float, float]:
-    """(wall, GPU) µs a call of fn(), after 5 warm-up calls: wall, the calls back to back (above GPU where
-    launching kernels takes longer than running them); GPU, the kernels' own times (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / calls * 1e6
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return wall, sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / calls
 
 
 def fp8_products() -> str:
@@ -385,8 +362,10 @@ def main() -> int:
     sections = [("warm-up", warm_up, 60), ("kernels", kernels, 120), ("LLM float32", llm_float32, 150),
                 ("LLM bfloat16", llm_bfloat16, 60), ("fp8 products", fp8_products, 60),
                 ("quantized model", quantized_model, 90), ("speculation", speculation, 90),
-                ("seeded sampling", seeded_sampling, 60), ("throughput", throughput, 150), ("serve", serve, SERVE_LIMIT_S),
-                ("kernel tests", kernel_tests, KERNEL_TESTS_LIMIT_S), ("past 2^31", past_int32, 60)]
+                ("seeded sampling", seeded_sampling, 60), ("throughput", throughput, 150),
+                ("graphs", functools.partial(graphs, PROMPTS), 90), ("graph speed", graph_speed, 220),
+                ("serve", serve, SERVE_LIMIT_S), ("kernel tests", kernel_tests, KERNEL_TESTS_LIMIT_S),
+                ("past 2^31", past_int32, 60)]
     by_name, chosen = {name.lower().replace(" ", "-"): (name, fn, t) for name, fn, t in sections}, set(sys.argv[1:])
     if chosen - by_name.keys():     # in their own order whatever the command's: past 2^31 stays last
         raise SystemExit(f"gpu_smoke: no section {sorted(chosen - by_name.keys())}; sections: {', '.join(by_name)}")

@@ -10,7 +10,8 @@
        out[i]            = x[i] * cos[i] - x[i + half] * sin[i]
        out[i + half]     = x[i + half] * cos[i] + x[i] * sin[i]
    cos and sin are the step's per-token tables, already in the model dtype (RotaryEmbedding).
-   Token t's k and v go to cache slot slot_mapping[t] (design §5), q to row t of q_out.
+   Token t's k and v go to cache slot slot_mapping[t] (design §5; none where it is < 0: a padded
+   row), q to row t of q_out.
 */
 #include "cpu_kernels.h"
 
@@ -47,6 +48,7 @@ rope_token(const char *src, const char *cos, const char *sin, char *q, char *k, 
            int num_heads, int num_kv_heads, int head_dim, const int bf16) {
     const int size = bf16 ? 2 : 4, bytes = head_dim * size;
     for (int h = 0; h < num_heads; h++) rotate(src + h * bytes, q + h * bytes, cos, sin, head_dim / 2, bf16);
+    if (!k) return;   /* no cache slot: a padded row of a captured step stores nothing */
     for (int h = 0; h < num_kv_heads; h++)
         rotate(src + (num_heads + h) * bytes, k + h * bytes, cos, sin, head_dim / 2, bf16);
     memcpy(v, src + (num_heads + num_kv_heads) * bytes, (size_t)num_kv_heads * bytes);
@@ -67,8 +69,9 @@ void rope_store_kv(const void *qkv, const void *cos, const void *sin, const int6
            constant argument there gives the compiler its two vectorised copies. */
         const char *src = (const char *)qkv + t * row, *c = (const char *)cos + t * table_row;
         const char *s = (const char *)sin + t * table_row;
-        char *q = (char *)q_out + t * q_row, *k = (char *)k_cache + slot_mapping[t] * kv_row;
-        char *v = (char *)v_cache + slot_mapping[t] * kv_row;
+        const int64_t slot = slot_mapping[t];   /* < 0: no slot (step_inputs.py's padding) */
+        char *q = (char *)q_out + t * q_row, *k = slot < 0 ? NULL : (char *)k_cache + slot * kv_row;
+        char *v = slot < 0 ? NULL : (char *)v_cache + slot * kv_row;
         if (bf16) rope_token(src, c, s, q, k, v, num_heads, num_kv_heads, head_dim, 1);
         else rope_token(src, c, s, q, k, v, num_heads, num_kv_heads, head_dim, 0);
     }
