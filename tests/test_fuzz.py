@@ -116,10 +116,36 @@ def test_raw_bytes_on_every_endpoint_never_500(server, raw, path, method):
         assert response.json()["error"]["message"]
 
 
-unicode, nested junk, bodies nested thousands deep, empty arrays, NaN and Infinity, values at the
-types' edges (2**63, 2**64, 1e-300, 1e308), float and out-of-range token ids) against every
-endpoint of a live server on loopback. Whatever arrives: never a 500, every error is OpenAI's
-JSON, the engine keeps serving, and afterwards no request runs and no KV block is held.
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(depth=st.integers(1, 6000), brackets=st.sampled_from(["[]", "{}"]),
+       field=st.sampled_from(["prompt", "stop", "n", "stream_options", "messages"]),
+       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+def test_deep_nesting_never_500(server, depth, brackets, field, path):
+    """Arrays or objects nested up to 6,000 deep in any field (json.loads recurses): a 400 past
+    MAX_JSON_DEPTH levels, never a RecursionError's 500."""
+    client, _ = server
+    start, end = ("[", "]") if brackets == "[]" else ('{"a": ', "}")
+    raw = f'{{"model": "nanoserve-tiny", "{field}": {start * depth}1{end * depth}}}'.encode()
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    check(response)
+    if depth + 1 > MAX_JSON_DEPTH:
+        assert response.status_code == 400 and "nests deeper" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                                   "min_tokens", "presence_penalty", "frequency_penalty",
+                                   "repetition_penalty", "logprobs", "n"])
+def test_every_sampling_field_at_the_types_edges(server, field):
+    """Each edge in each field of an otherwise good request, streamed and not: a 400 or an
+    answer, never a 500 nor an error mid-stream (a seed of 2**64 once failed the whole step)."""
+    client, _ = server
+    for value in (2**63 - 1, 2**63, 2**64, -2**63 - 1, 1e-300, 1e308, 1e-45, float("nan"),
+                  float("inf")):
+        for stream in (False, True):
+            check(post(client, "/v1/completions", {"model": "nanoserve-tiny", "prompt": "Once",
+                                                   "max_tokens": 2, "temperature": 1.0,
+                                                   "stream": stream, field: value}))
 
 
 def test_server_still_serves_after_fuzzing(server):
