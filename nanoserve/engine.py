@@ -23,8 +23,10 @@ import contextlib
 import dataclasses
 import itertools
 import time
+from concurrent.futures import Future
 from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
+from nanoserve import structured_output
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.core_client import InprocClient, MPClient
 from nanoserve.engine_core import EngineCore
@@ -32,7 +34,7 @@ from nanoserve.errors import EngineDeadError, EngineOverloadedError, RequestTime
 from nanoserve.output_processor import OutputProcessor, RequestOutput, load_tokenizer
 from nanoserve.request import Request, check_fits
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.structured_output import compile_grammar, grammar_compiler
+from nanoserve.structured_output import compile_grammar, grammar_compiler, submit_compile
 
 PromptType = Union[str, dict]
 
@@ -96,16 +98,21 @@ class Processor:
                         self.eos_token_id, priority=priority)
                 for i in range(params.n)]
 
-    def compile_grammar(self, params: SamplingParams) -> None:
+    def compile_grammar(self, params: SamplingParams, background: bool = False
+                        ) -> Optional[Future]:
         """Compile the request's structured-output grammar, if it has one: a ValueError naming the
-        field for an invalid schema, regex or grammar. Cached by the grammar's text (AsyncLLM
-        compiles in a thread first, so a new grammar never stalls the event loop)."""
+        field for one past a limit or invalid. Cached by the grammar's text. Here, or
+        (`background`) on structured_output's thread pool, returning its Future: AsyncLLM
+        compiles there first, so a new grammar never stalls the event loop."""
         if params.structured_outputs is None:
-            return
+            return None
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init is set)")
+        if background:
+            return submit_compile(self.tokenizer_source, self.vocab_size, params.structured_outputs)
         compile_grammar(grammar_compiler(self.tokenizer_source, self.vocab_size),
                         params.structured_outputs)
+        return None
 
 
 def _config_eos(path) -> Optional[int]:
@@ -196,10 +203,12 @@ class LLM:
 
     def _steps(self) -> Iterator[list[RequestOutput]]:
         """Step the engine until it is idle, aborting the requests a stop string ended; yields
-        each step's RequestOutputs (what is new)."""
+        each step's RequestOutputs (what is new). A request that failed alone raises its error."""
         while self.engine.has_unfinished_requests():
             outputs, stopped = self.output_processor.process_outputs(self.engine.step())
             self.engine.abort(stopped)
+            if failed := self.engine.pop_failed():
+                raise next(iter(failed.values()))
             yield outputs
 
     def _run(self, total: int, progress: bool) -> None:
@@ -292,10 +301,17 @@ class AsyncLLM:
                 self.engine_core.send("abort", children_ids)
 
     async def compile_grammar(self, params: SamplingParams) -> None:
-        """Processor.compile_grammar in a thread: a new grammar may take a while to compile, and
-        the event loop must not wait for it (a cached one returns at once)."""
-        if params.structured_outputs is not None:
-            await asyncio.to_thread(self.processor.compile_grammar, params)
+        """Processor.compile_grammar on structured_output's thread pool: a new grammar may take a
+        while to compile, and the event loop must not wait for it (a cached one is done at
+        once). Past COMPILE_TIMEOUT_S a ValueError; the compile goes on, unwaited (shield: a
+        request with the same text may be waiting for it too)."""
+        if (future := self.processor.compile_grammar(params, background=True)) is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                   structured_output.COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise structured_output.timed_out(params.structured_outputs) from None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the engine frees its blocks before the next step."""

@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 from nanoserve.config import Config
 from nanoserve.errors import EngineDeadError, EngineStepError, is_fatal_step_error
 from nanoserve.kv_cache import KVCacheManager
-from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request, SchedulerOutput
+from nanoserve.request import (EngineCoreOutput, EngineCoreOutputs, Request, RequestStatus,
+                               SchedulerOutput)
 from nanoserve.scheduler import Scheduler
 from nanoserve.structured_output import StructuredOutputManager
 from nanoserve.trace import Tracer
@@ -56,13 +57,15 @@ class EngineCore:
         self.timings = self.runner.timings
         self.timings.update(schedule=0.0, update=0.0, grammar=0.0)
         self.num_batched_requests = 0       # summed over steps: / steps = mean batch size
+        self.failed: dict[str, Exception] = {}   # failed alone in a step, until pop_failed()
         if self.tracer.enabled:
             self.tracer.emit("config", **dataclasses.asdict(config))
             self.tracer.flush()
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-        self.structured_output.add_request(request)
+        self.scheduler.add_request(request)      # a ValueError (its id is taken) comes first
+        if self.structured_output.add_request(request):     # its grammar compiles meanwhile
+            request.status = RequestStatus.WAITING_FOR_FSM
 
     def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         return [EngineCoreOutput(r.request_id, [], "abort")
@@ -97,6 +100,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
+        self._update_waiting_for_fsm()
         scheduler_output = self.scheduler.schedule()
         self.structured_output.remove(scheduler_output.finished_req_ids)   # aborted, failed
         if not scheduler_output.requests:
@@ -130,6 +134,21 @@ class EngineCore:
             self.tracer.flush()
         return outputs
 
+    def _update_waiting_for_fsm(self) -> None:
+        """Before scheduling: a request whose grammar has compiled may be admitted now (WAITING,
+        in its place in the queue); one whose compile failed or ran past COMPILE_TIMEOUT_S fails
+        alone (it holds no block yet). With nothing else to run, wait a moment for a compile."""
+        manager = self.structured_output
+        if not manager.compiling:
+            return
+        manager.remove(self.scheduler.finished_req_ids)       # aborted since the last step
+        idle = not self.scheduler.running and len(self.scheduler.waiting) == len(manager.compiling)
+        ready, failed = manager.update_fsm(wait=idle)
+        for request_id in ready:
+            self.scheduler.requests[request_id].status = RequestStatus.WAITING
+        self.scheduler.abort(failed)
+        self.failed.update(failed)
+
     def _grammar_bitmask(self, out: SchedulerOutput) -> None:
         """The step's one bitmask for its structured requests that sample (structured_output.py),
         into the SchedulerOutput: the runner that holds the logits (TP: rank 0) applies it."""
@@ -146,6 +165,11 @@ class EngineCore:
         start = time.perf_counter()
         self.structured_output.accept_tokens(sampled)
         self.timings["grammar"] += time.perf_counter() - start
+
+    def pop_failed(self) -> dict[str, Exception]:
+        """{request id: its error} of the requests that failed alone since the last call."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _debug(self, out, duration: float) -> None:
         pool = self.kv_cache_manager.pool
@@ -186,6 +210,7 @@ def run_busy_loop(core: EngineCore, get_inputs: Callable[[bool], Inputs],
                     message.outputs += core.step()
                 except EngineStepError as e:
                     message.failed.update(dict.fromkeys(e.request_ids, e))
+                message.failed.update(core.pop_failed())
             if inputs or message.outputs or message.failed:
                 message.stats = core.get_stats()
                 send(message)
