@@ -60,9 +60,10 @@ if TYPE_CHECKING:
 
 CACHE_LIMIT_BYTES = 512 * 2**20   # compiled grammars kept per process: vLLM's default cache size
 # The limits, checked before anything compiles. Measured on 2 Xeon cores with the built-in model:
-# a compile's cost grows faster than the text (enum strings: 16 KB 0.08 s, 32 KB 0.18 s, 64 KB
-# 0.5 s, 124 KB 1.8 s, 0.49 MB 30 s), so the text's size bounds it;
-MAX_GRAMMAR_BYTES = 64 * 2**10
+# a compile's cost grows faster than its text (enum strings: 16 KB 0.08 s, 32 KB 0.18 s, 64 KB
+# 0.5 s, 124 KB 1.8 s, 0.49 MB 30 s; on a busy machine 32 KB took up to 0.56 s and 64 KB up to
+# 2.2 s, however the text was cut: one long string, or 1000 short ones), so its size bounds it;
+MAX_GRAMMAR_BYTES = 32 * 2**10
 # ... nesting too (arrays in arrays: 32 deep 0.01 s, 128 deep 0.4 s, 1000 deep (25 KB) 53 s);
 # a schema's document depth, objects and arrays: an object property is two ({properties: {x: }})
 MAX_SCHEMA_DEPTH = 32

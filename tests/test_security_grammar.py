@@ -32,7 +32,7 @@ from nanoserve import LLM, SamplingParams, structured_output
 from nanoserve.engine_core import run_busy_loop
 from nanoserve.sampling_params import StructuredOutputsParams
 
-DEPTH, VALUES = 32, 1000     # the limits this file probes: structured_output.py's
+SIZE, DEPTH, VALUES = 32 * 1024, 32, 1000   # the limits probed: structured_output.py's
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +66,13 @@ def refused(server, fields: dict, param: str, words: str) -> None:
 @pytest.mark.parametrize("fields, param, words", [
     # the issue's probe: 50,000 values, 0.49 MB (30 s to compile on 2 Xeon cores)
     (schema_format({"type": "string", "enum": [f"v{i}" for i in range(50_000)]}),
-     "response_format", "more than the limit of 65536"),
+     "response_format", f"more than the limit of {SIZE}"),
     (schema_format({"type": "string", "enum": [f"v{i}" for i in range(VALUES + 1)]}),
      "response_format", f"{VALUES + 1} enum values or choices, more than the limit"),
     ({"structured_outputs": {"choice": [f"c{i}" for i in range(VALUES + 1)]}},
      "structured_outputs", "more than the limit"),
-    ({"structured_outputs": {"regex": "a" * (64 * 1024 + 1)}}, "structured_outputs",
-     "more than the limit of 65536"),
+    ({"structured_outputs": {"regex": "a" * (SIZE + 1)}}, "structured_outputs",
+     f"{SIZE + 1} bytes, more than the limit of {SIZE}"),
 ], ids=["issue-enum-50000", "enum-count", "choice-count", "regex-size"])
 def test_a_grammar_past_a_limit_is_400_before_it_compiles(server, fields, param, words):
     with victim(server) as v:
@@ -85,7 +85,7 @@ def test_a_schema_nested_past_the_limit_is_400_and_one_at_the_limits_runs(server
     with victim(server) as v:
         refused(server, schema_format(nested_arrays(DEPTH + 8)), "response_format",
                 f"nests more than {DEPTH} levels deep")
-        deep_text = '{"items":' * 5000 + "{}" + "}" * 5000   # 50 KB, past the json module's
+        deep_text = '{"items":' * 3000 + "{}" + "}" * 3000   # 30 KB, past the json module's
         refused(server, {"structured_outputs": {"json": deep_text}}, "structured_outputs",
                 "levels deep")                             # own recursion limit
     assert_untouched(server, v)
