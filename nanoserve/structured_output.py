@@ -1,10 +1,11 @@
 """structured_output.py: output a program can parse (a JSON schema, a regex, a choice, an EBNF
 grammar), with xgrammar, placed where vLLM V1 places it:
 
-    front end (AsyncLLM)    compile_grammar(): the limits first (size, enum values, nesting),
-                            then validate and compile (a bad schema, regex or grammar is a
-                            ValueError naming the field: HTTP 400) on a small thread pool,
-                            waited for at most COMPILE_TIMEOUT_S; xgrammar caches by the text
+    front end (Processor)   check_limits() first (size, enum values, nesting), then
+                            compile_grammar(): validate and compile (a bad schema, regex or
+                            grammar is a ValueError naming the field: HTTP 400); AsyncLLM's
+                            through submit_compile(), on a small thread pool, waited for at
+                            most COMPILE_TIMEOUT_S; xgrammar caches by the text
     engine core             StructuredOutputManager: one GrammarMatcher per structured request;
                             the request waits as WAITING_FOR_FSM until its grammar is compiled
       every step            update_fsm(): compiled ones go on to WAITING, failed ones fail
@@ -70,7 +71,7 @@ MAX_SCHEMA_DEPTH = 32
 # ... and OpenAI's structured outputs take 1000 enum values in all: enum values, consts, choices
 MAX_ENUM_VALUES = 1000
 # A compile past this fails its request (400 up front, or an error from the engine core): with
-# the limits above none takes more than ~1 s, so only a pathological grammar ever reaches it.
+# the limits above the slowest we found took 0.6 s, so only a pathological grammar reaches it.
 COMPILE_TIMEOUT_S = 10.0
 COMPILE_THREADS = 2    # per process: a flood of compiles queues, and one slow one holds no other
 # What each kind is, for the error message ("structured_outputs: the regex is not valid: ...").
