@@ -25,9 +25,10 @@ import functools
 import itertools
 import multiprocessing
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
+from nanoserve import structured_output
 from nanoserve.config import DEFAULT_MODEL, Config
 from nanoserve.core_client import InprocClient, MPClient
 from nanoserve.engine_core import EngineCore
@@ -35,7 +36,7 @@ from nanoserve.errors import EngineDeadError, EngineOverloadedError, RequestTime
 from nanoserve.output_processor import OutputProcessor, RequestOutput, load_tokenizer
 from nanoserve.request import Request, check_fits
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.structured_output import compile_grammar, grammar_compiler
+from nanoserve.structured_output import compile_grammar, grammar_compiler, submit_compile
 
 PromptType = Union[str, dict]
 T = TypeVar("T")
@@ -113,16 +114,21 @@ class Processor:
                         self.eos_token_id, priority=priority)
                 for i in range(params.n)]
 
-    def compile_grammar(self, params: SamplingParams) -> None:
+    def compile_grammar(self, params: SamplingParams, background: bool = False
+                        ) -> Optional[Future]:
         """Compile the request's structured-output grammar, if it has one: a ValueError naming the
-        field for an invalid schema, regex or grammar. Cached by the grammar's text (AsyncLLM
-        compiles in a thread first, so a new grammar never stalls the event loop)."""
+        field for one past a limit or invalid. Cached by the grammar's text. Here, or
+        (`background`) on structured_output's thread pool, returning its Future: AsyncLLM
+        compiles there first, so a new grammar never stalls the event loop."""
         if params.structured_outputs is None:
-            return
+            return None
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init is set)")
+        if background:
+            return submit_compile(self.tokenizer_source, self.vocab_size, params.structured_outputs)
         compile_grammar(grammar_compiler(self.tokenizer_source, self.vocab_size),
                         params.structured_outputs)
+        return None
 
 
 def _config_eos(path) -> Optional[int]:
@@ -339,10 +345,17 @@ class AsyncLLM:
                 f"max_waiting_requests ({limit}); retry later")
 
     async def compile_grammar(self, params: SamplingParams) -> None:
-        """Processor.compile_grammar in a thread: a new grammar may take a while to compile, and
-        the event loop must not wait for it (a cached one returns at once)."""
-        if params.structured_outputs is not None:
-            await asyncio.to_thread(self.processor.compile_grammar, params)
+        """Processor.compile_grammar on structured_output's thread pool: a new grammar may take a
+        while to compile, and the event loop must not wait for it (a cached one is done at
+        once). Past COMPILE_TIMEOUT_S a ValueError; the compile goes on, unwaited (shield: a
+        request with the same text may be waiting for it too)."""
+        if (future := self.processor.compile_grammar(params, background=True)) is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                   structured_output.COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise structured_output.timed_out(params.structured_outputs) from None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; the engine frees its blocks before the next step."""

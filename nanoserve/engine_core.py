@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 from nanoserve.config import Config
 from nanoserve.errors import EngineDeadError, EngineStepError, is_fatal_step_error
 from nanoserve.kv_cache import KVCacheManager
-from nanoserve.request import EngineCoreOutput, EngineCoreOutputs, Request, SchedulerOutput
+from nanoserve.request import (EngineCoreOutput, EngineCoreOutputs, Request, RequestStatus,
+                               SchedulerOutput)
 from nanoserve.scheduler import Scheduler
 from nanoserve.structured_output import StructuredOutputManager
 from nanoserve.trace import Tracer
@@ -67,8 +68,9 @@ class EngineCore:
             self.tracer.flush()
 
     def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
-        self.structured_output.add_request(request)
+        self.scheduler.add_request(request)      # a ValueError (its id is taken) comes first
+        if self.structured_output.add_request(request):     # its grammar compiles meanwhile
+            request.status = RequestStatus.WAITING_FOR_FSM
 
     def abort(self, request_ids: Sequence[str]) -> list[EngineCoreOutput]:
         return [EngineCoreOutput(r.request_id, [], "abort")
@@ -103,6 +105,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         start = time.perf_counter()
+        self._update_waiting_for_fsm()
         scheduler_output = self.scheduler.schedule()
         self.structured_output.remove(scheduler_output.finished_req_ids)   # aborted, failed
         if not scheduler_output.requests:
@@ -138,6 +141,21 @@ class EngineCore:
                              sampled=sampled)
             self.tracer.flush()
         return outputs
+
+    def _update_waiting_for_fsm(self) -> None:
+        """Before scheduling: a request whose grammar has compiled may be admitted now (WAITING,
+        in its place in the queue); one whose compile failed or ran past COMPILE_TIMEOUT_S fails
+        alone (it holds no block yet). With nothing else to run, wait a moment for a compile."""
+        manager = self.structured_output
+        if not manager.compiling:
+            return
+        manager.remove(self.scheduler.finished_req_ids)       # aborted since the last step
+        idle = not self.scheduler.running and len(self.scheduler.waiting) == len(manager.compiling)
+        ready, failed = manager.update_fsm(wait=idle)
+        for request_id in ready:
+            self.scheduler.requests[request_id].status = RequestStatus.WAITING
+        self.scheduler.abort(failed)
+        self.failed.update(failed)
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> None:
         """The step's one bitmask for its structured requests that sample (structured_output.py),

@@ -25,6 +25,9 @@ from nanoserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # A structured request whose grammar still compiles (vLLM's name): the scheduler passes it
+    # over, the requests behind it go ahead; the engine core moves it on to WAITING once compiled.
+    WAITING_FOR_FSM = "waiting_for_fsm"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

@@ -16,7 +16,8 @@ a running request cannot get a block, the last-admitted running request (under
 `priority`: the lowest-priority one) is preempted: its blocks are freed, its
 `num_computed_tokens` goes back to 0, and it returns to the waiting queue (recompute
 preemption): at the front under FCFS, sorted into its place under `priority`. Its full blocks keep their hashes, so it usually resumes with
-a prefix-cache hit.
+a prefix-cache hit. A structured request whose grammar still compiles waits as WAITING_FOR_FSM:
+passed over, keeping its place, while the requests behind it are admitted (vLLM's rule).
 
 `update()` takes the sampled tokens, applies the stop checks (EOS unless ignore_eos,
 stop_token_ids, max_tokens, max_model_len; none before min_tokens) and frees finished
@@ -211,9 +212,14 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
         """Admit waiting requests (FCFS or priority order) while budget, seats and blocks last;
-        a prefix-cache hit counts as computed."""
+        a prefix-cache hit counts as computed. A request whose grammar still compiles
+        (WAITING_FOR_FSM) is passed over, keeping its place: the ones behind it may go first."""
+        skipped = []
         while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                skipped.append(self.waiting.pop())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -227,6 +233,8 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.add(request, front=True)
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

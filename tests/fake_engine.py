@@ -12,7 +12,7 @@ from __future__ import annotations
 from nanoserve.config import Config
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.request import Request
+from nanoserve.request import Request, RequestStatus
 from nanoserve.scheduler import Scheduler
 from nanoserve.spec_decode import accepted_tokens
 
@@ -76,15 +76,26 @@ class FakeRunner:
 
 
 def run(scheduler: Scheduler, requests: list[Request], check=None, runner=None,
-        max_steps=10_000):
+        max_steps=10_000, grammar_ready=None):
     """Add the requests, step until all finish; returns ({request_id: output token ids},
-    the SchedulerOutput of every step). Pass the same runner to keep its cache."""
+    the SchedulerOutput of every step). Pass the same runner to keep its cache.
+    `grammar_ready`: {request id: the step its grammar has compiled by}: until then it waits as
+    WAITING_FOR_FSM (the engine core's part, played here) and must not be scheduled."""
     runner = runner or FakeRunner(scheduler.kv.num_blocks, scheduler.block_size)
+    grammar_ready = grammar_ready or {}
     for r in requests:
         scheduler.add_request(r)
+        if r.request_id in grammar_ready:
+            r.status = RequestStatus.WAITING_FOR_FSM
     steps = []
     while scheduler.has_unfinished_requests():
+        for r in requests:
+            if (r.status == RequestStatus.WAITING_FOR_FSM
+                    and grammar_ready[r.request_id] <= len(steps)):
+                r.status = RequestStatus.WAITING
         out = scheduler.schedule()
+        assert all(grammar_ready.get(r.request_id, 0) <= len(steps) for r in out.requests), \
+            "a request ran before its grammar compiled"
         steps.append(out)
         scheduler.update(out, runner.execute(out))
         if check:

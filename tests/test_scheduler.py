@@ -178,6 +178,17 @@ def test_abort_frees_everything():
     sched.kv.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_waiting_for_its_grammar_is_passed_over_and_keeps_its_place(policy):
+    """vLLM's WAITING_FOR_FSM: the queue's head, still compiling its grammar, does not hold the
+    requests behind it; once compiled it goes before the ones that arrived after it."""
+    sched = make_scheduler(max_num_seqs=1, scheduling_policy=policy)
+    reqs = [make_request(rid, [1, 2, 3], 2) for rid in ("grammar", "b", "c")]
+    _, steps = run(sched, reqs, grammar_ready={"grammar": 1})
+    assert [[r.request_id for r in out.requests] for out in steps] == [
+        ["b"], ["b"], ["grammar"], ["grammar"], ["c"], ["c"]]
+
+
 def test_trace_replays_kv_used_and_ends_empty(tmp_path):
     path = tmp_path / "t.jsonl"
     tracer = Tracer(str(path))
@@ -214,8 +225,10 @@ def test_random_workloads_match_reference(seed, num_blocks, budget, seqs, cachin
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=seqs,
                            max_num_batched_tokens=budget, enable_prefix_caching=caching,
                            scheduling_policy=policy)
-    reqs = []
+    reqs, grammar_ready = [], {}
     for rid, prompt, m in spec:
+        if rng.random() < 0.3:           # its grammar compiles for a while (WAITING_FOR_FSM)
+            grammar_ready[rid] = rng.randint(0, 20)
         r = Request(rid, prompt, SamplingParams(max_tokens=m, ignore_eos=True),
                     priority=rng.randint(0, 3))
         try:
@@ -223,7 +236,8 @@ def test_random_workloads_match_reference(seed, num_blocks, budget, seqs, cachin
         except ValueError:
             continue
         reqs.append(r)
-    outs, _ = run(sched, reqs, check=lambda s: s.kv.check_invariants())
+    outs, _ = run(sched, reqs, check=lambda s: s.kv.check_invariants(),
+                  grammar_ready=grammar_ready)
     assert outs == {r.request_id: reference_tokens(r.prompt_token_ids, r.sampling_params.max_tokens)
                     for r in reqs}
     assert sched.kv.pool.num_free_blocks == num_blocks
