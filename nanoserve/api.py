@@ -36,8 +36,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanoserve.engine import AsyncLLM
-from nanoserve.errors import (EngineDeadError, EngineOverloadedError, EngineStepError,
-                              RequestTimeoutError)
 from nanoserve.http_limits import LOOPBACK_HOSTS, http_middleware
 from nanoserve.output_processor import CompletionOutput
 from nanoserve.protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, api_error_of, is_type,
@@ -84,8 +82,7 @@ class Generation:
                 if out.finished:
                     self.server.e2e.observe(now - self.start_time)
                 self._queue.put_nowait((i, out))
-        except (ValueError, EngineStepError, EngineDeadError, EngineOverloadedError,
-                RequestTimeoutError) as e:
+        except Exception as e:       # whatever it is, it ends this request alone (500 if a bug)
             self.status = "error"
             self._queue.put_nowait((i, api_error_of(e, self.request_id)))
 

@@ -10,7 +10,7 @@ classes (and a user catches them with one import):
 - `WorkerError`: a tensor-parallel worker failed or died (executor.py); the executor is
   unusable from then on, so it ends the engine too (`is_fatal_step_error`).
 
-A request that can never run is a plain ValueError naming the field (Processor, engine.py).
+A request that can never run is a plain ValueError naming the field (Processor, processor.py).
 The HTTP layer's `APIError` (OpenAI's error JSON and a status code) is not here: it belongs to
 the server, so it stays in protocol.py, and api.py maps these errors onto it (`_api_error`).
 Plain classes that import nothing of nanoserve (any layer may import them). They cross from

@@ -21,8 +21,7 @@ from typing import Optional
 import numpy as np
 from starlette.responses import JSONResponse
 
-from nanoserve.errors import (EngineDeadError, EngineOverloadedError, EngineStepError,
-                              RequestTimeoutError)
+from nanoserve.errors import EngineOverloadedError, RequestTimeoutError
 from nanoserve.sampling_params import SamplingParams, StructuredOutputsParams, is_int, is_num
 
 
@@ -138,12 +137,11 @@ def own_ids_only(message: str, request_id: Optional[str] = None) -> str:
 
 def api_error_of(e: Exception, request_id: str) -> APIError:
     """400: refused up front; 408: over request_timeout_s; 500: a failed step (the engine goes
-    on), or the engine (a data-parallel rank) stopped under the request; 503: too many waiting
-    (retry soon). A request that comes once the engine has stopped is a 503 (api.py)."""
+    on), the engine (a data-parallel rank) stopped under the request, or any other error of this
+    request alone; 503: too many waiting (retry soon). A request that comes once the engine has stopped is a 503 (api.py)."""
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
-    status = {ValueError: 400, RequestTimeoutError: 408, EngineStepError: 500,
-              EngineDeadError: 500}.get(type(e), 503)
+    status = {ValueError: 400, RequestTimeoutError: 408}.get(type(e), 500)
     return APIError(status, own_ids_only(str(e), request_id), param_of(e))
 
 

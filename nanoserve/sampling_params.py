@@ -20,13 +20,13 @@ regex, a choice or an EBNF grammar (structured_output.py):
     ValueError: structured_outputs must set exactly one of json, regex, choice, grammar, json_object (got ['regex', 'choice'])
 
 Validation happens here, at construction, so bad input is refused before it reaches the
-engine: every number is finite and fits the type the step computes it in (a seed is an int64,
-a float a float32), so no value that passed can make a step raise. A temperature in
+engine: every number is finite and fits the type the step computes it in (an int is an int64,
+a float a float32), so no value that passed can make a step, or the socket to it, raise. A temperature in
 (0, 0.01) is raised to 0.01, as vLLM does (dividing by less overflows the float32 logits), and
 a repetition penalty, which divides them too, must be >= 0.01. The checks that need the
-model (stop_token_ids against the vocabulary, logprobs against max_logprobs) are Processor's
-(engine.py). The sampler re-checks none of it, only asserts. Torch-free: the scheduler and the
-API server read it too.
+model (stop_token_ids against the vocabulary, logprobs against max_logprobs) are
+Processor's (processor.py). The sampler re-checks none of it, only asserts. Torch-free: the
+scheduler and the API server read it too.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # warning, since logits / 1e-300 are inf in float32 and the row's probabilities NaN.
 _MAX_TEMP = 1e-2
 FLOAT32_MAX = 3.4028234663852886e38   # the sampler's floats: a larger |value| is inf there
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # a seed's range (torch.Generator; vLLM's protocol too)
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1   # every int's range: a seed's (torch.Generator; vLLM's
+                                          # protocol too), and msgpack's on the wire
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 
@@ -120,6 +121,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(is_num(value) and -FLOAT32_MAX <= value <= FLOAT32_MAX, name,
                    "must be a finite number (within float32's range)", value)
+            setattr(self, name, float(value))   # an int as big as 2**64 crosses no socket
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs"):   # nor here
+            value = getattr(self, name)
+            _check(not is_int(value) or INT64_MIN <= value <= INT64_MAX, name,
+                   "must be within int64", value)
         _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
         if 0 < self.temperature < _MAX_TEMP:
             logging.getLogger("nanoserve").warning(
@@ -140,8 +146,8 @@ class SamplingParams:
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be non-empty strings", self.stop)
-        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be token ids (integers >= 0)", self.stop_token_ids)
+        _check(all(is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
+               "stop_token_ids", "must be token ids (integers >= 0)", self.stop_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, name, "must be in [-2, 2]", value)

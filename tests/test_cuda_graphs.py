@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
-from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve import LLM  # noqa: E402
 from nanoserve.config import Config  # noqa: E402
 from nanoserve.cpu import kernels as cpu_kernels  # noqa: E402
 from nanoserve.cuda.graphs import CUDAGraphWrapper  # noqa: E402

@@ -47,6 +47,15 @@ CORE_CAPABILITY_BUDGETS = {
     # and vLLM's default sizes (~30), the runner's placing of its inputs and the capture call,
     # the Backend's two fields, the reference store skipping padded slots (~20).
     "cuda_graphs": 180,
+    # issue 51: safe on a network: serial_utils.py (typed msgspec messages, HMAC-signed frames
+    # with a session handshake against replay, drops logged; ~325) and core_client.py's use of it,
+    # the rpc secret and the every-rank watchdog (~35); http_limits.py (Host check, CORS, the
+    # request-head deadline; ~75) and the body's content type, depth, NaN and cap checks in
+    # protocol.py and api.py (~170); tokenizing off the event loop, the character cap and
+    # admission by sequences (~70); grammar limits, the bounded compile pool with its timeout and
+    # WAITING_FOR_FSM (~190); per-request failure isolation in the sampler, runner and engine core
+    # (~100); the TP step watchdog, the loopback rendezvous, serve exiting on engine death (~85).
+    "network_safety": 900,
 }
 CORE_BUDGET = 5000 + sum(CORE_CAPABILITY_BUDGETS.values())
 # ~1,730 lines of C, ~1,050 of Python (the ops, products, fused step); + 250 for issue 40's int8
