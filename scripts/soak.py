@@ -8,11 +8,18 @@ It starts the server on the built-in model with `--debug 2` (the KV cache invari
 after every step: a broken one fails that step's requests, which this run then counts) and sends
 streamed and plain /v1/completions and /v1/chat/completions requests with mixed n, stop strings,
 seeds and logprobs, from `--concurrency` clients at once. 20% of the clients hang up at a random
-point of their stream; 5% send malformed or out-of-range bodies (which must get a 4xx). Then:
+point of their stream; 5% send malformed or out-of-range bodies (which must get a 4xx); and
+`--attack-fraction` (10%) are attackers, each sending one of ATTACKS (the probes of
+tests/test_security_*.py: a seed past int64, a 50,000-value enum, a body nested 5,000 deep, NaN,
+a text/plain POST, a foreign Host header, a 7.8 MB prompt, 300k stop strings, 12,800 sequences
+in one request) while the honest clients stream beside them. Then:
 
 - lost: an accepted request that did not finish (must be 0); an error event also counts, as
   no fault is injected here; a malformed body that is not refused with a 4xx counts too;
 - hung: a request with no answer within --request-timeout-s (must be 0);
+- attack_accepted: an attack that was not refused with a 4xx (must be 0); attack_answered: the
+  one attack that must be answered well (temperature 1e-300 with a grammar: vLLM raises it to
+  0.01) and was not;
 - 500s: any response with status >= 500 (must be 0);
 - after the run, /metrics must show no request running or waiting and the KV cache empty;
 - the server's memory (RSS of its whole process tree, sampled every 0.5 s) may grow by at most
@@ -48,10 +55,42 @@ BAD_BODIES = [b"{not json", b'{"model": "nanoserve-tiny", "prompt": "x", "max_to
               b'{"model": "nanoserve-tiny", "messages": [{"role": 1}]}']
 
 
-def make_job(rng: random.Random) -> dict:
+def _body(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, **fields}).encode()
+
+
+def _attacks() -> dict:
+    """name -> (raw body, extra headers, whether the server must answer it well rather than
+    refuse it with a 4xx). Built once: some bodies are megabytes."""
+    enum = {"type": "json_schema", "json_schema": {"name": "e", "schema": {
+        "type": "object", "properties": {"k": {"enum": [f"v{i}" for i in range(50_000)]}}}}}
+    return {
+        "seed_past_int64": (_body(seed=2**64), {}, False),
+        "tiny_temperature_grammar": (_body(temperature=1e-300, structured_outputs={
+            "choice": ["yes", "no"]}), {}, True),
+        "huge_enum": (_body(response_format=enum), {}, False),
+        "deep_nesting": (b'{"model": "nanoserve-tiny", "prompt": "x", "user": ' + b"[" * 5000
+                         + b"]" * 5000 + b"}", {}, False),
+        "nan": (_body(repetition_penalty=float("nan")), {}, False),
+        "text_plain": (_body(), {"content-type": "text/plain"}, False),
+        "foreign_host": (_body(), {"host": "evil.example"}, False),
+        "huge_prompt": (_body(prompt="a " * 3_900_000), {}, False),
+        "many_stops": (_body(stop=[f"s{i}" for i in range(300_000)]), {}, False),
+        "many_sequences": (_body(prompt=[[1, 2, 3]] * 100, n=128), {}, False),
+    }
+
+
+ATTACKS = _attacks()
+
+
+def make_job(rng: random.Random, attack_fraction: float = 0.0) -> dict:
     """One client's request: what to send and whether to hang up (after how many events)."""
     roll = rng.random()
-    if roll < 0.05:
+    if roll < attack_fraction:
+        name = rng.choice(sorted(ATTACKS))
+        return {"kind": "attack", "name": name, "chat": False, "raw": ATTACKS[name][0],
+                "headers": ATTACKS[name][1], "answer": ATTACKS[name][2]}
+    if roll < attack_fraction + 0.05:
         chat = rng.random() < 0.5
         return {"kind": "bad", "chat": chat, "raw": rng.choice(BAD_BODIES)}
     chat = rng.random() < 0.5
@@ -73,7 +112,8 @@ def make_job(rng: random.Random) -> dict:
 
 
 async def run_job(client: httpx.AsyncClient, job: dict, timeout: float) -> str:
-    """The outcome: finished, error_event, rejected (4xx), hung_up, hung, 500, lost."""
+    """The outcome: finished, error_event, rejected (4xx), hung_up, hung, 500, lost; for an
+    attack: attack_refused (4xx), attack_answered (the one it must answer), attack_accepted."""
     try:
         return await asyncio.wait_for(exchange(client, job), timeout)
     except asyncio.TimeoutError:
@@ -85,10 +125,17 @@ async def run_job(client: httpx.AsyncClient, job: dict, timeout: float) -> str:
 async def exchange(client: httpx.AsyncClient, job: dict) -> str:
     path = "/v1/chat/completions" if job["chat"] else "/v1/completions"
     content = job.get("raw") or json.dumps(job["body"]).encode()
-    async with client.stream("POST", path, content=content,
-                             headers={"content-type": "application/json"}) as response:
+    headers = {"content-type": "application/json", **job.get("headers", {})}
+    async with client.stream("POST", path, content=content, headers=headers) as response:
         if response.status_code >= 500:
             return "500"
+        if job["kind"] == "attack":
+            body = await response.aread()
+            if job["answer"]:
+                answered = response.status_code == 200 and all(
+                    c["finish_reason"] for c in json.loads(body)["choices"])
+                return "attack_answered" if answered else "attack_failed"
+            return "attack_refused" if response.status_code >= 400 else "attack_accepted"
         if response.status_code >= 400:
             await response.aread()
             return "rejected" if job["kind"] == "bad" else "lost"
@@ -130,9 +177,9 @@ def tree_rss_mb(pid: int) -> float:
 
 
 async def soak(url: str, server_pid: int, requests: int, concurrency: int, seed: int,
-               timeout: float) -> dict:
+               timeout: float, attack_fraction: float) -> dict:
     rng = random.Random(seed)
-    jobs = [make_job(rng) for _ in range(requests)]
+    jobs = [make_job(rng, attack_fraction) for _ in range(requests)]
     outcomes, rss = Counter(), []
     queue = asyncio.Queue()
     for job in jobs:
@@ -177,8 +224,8 @@ def failures(report: dict, max_rss_growth_mb: float) -> list[str]:
     out = report["outcomes"]
     # error_event: nothing here injects faults, so an error event means a step failed (e.g. a
     # KV invariant that --debug 2 asserts).
-    problems = [f"{out[k]} {k}" for k in ("lost", "hung", "500", "error_event", "bad_accepted")
-                if out.get(k)]
+    problems = [f"{out[k]} {k}" for k in ("lost", "hung", "500", "error_event", "bad_accepted",
+                                          "attack_accepted", "attack_failed") if out.get(k)]
     problems += [f"{k} = {v} after the run" for k, v in report["after"].items() if v]
     growth = report["rss_last_quarter_mb"] - report["rss_first_quarter_mb"]
     if growth > max_rss_growth_mb:
@@ -193,6 +240,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout-s", type=float, default=300.0)
     parser.add_argument("--max-rss-growth-mb", type=float, default=64.0)
+    parser.add_argument("--attack-fraction", type=float, default=0.1,
+                        help="share of the clients that send one of ATTACKS")
     parser.add_argument("--server-args", default="", help="extra flags for nanoserve serve")
     args = parser.parse_args(argv)
     port = free_port()
@@ -201,7 +250,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as logs, \
             running("nanoserve", cmd, dict(os.environ), port, logs, timeout=120) as (url, pid):
         report = asyncio.run(soak(url, pid, args.requests, args.concurrency, args.seed,
-                                  args.request_timeout_s))
+                                  args.request_timeout_s, args.attack_fraction))
     problems = failures(report, args.max_rss_growth_mb)
     print(json.dumps(report, indent=1))
     print("soak: " + ("OK" if not problems else "FAILED: " + "; ".join(problems)))
