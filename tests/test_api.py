@@ -57,12 +57,21 @@ def server(tmp_path_factory):
 @contextlib.contextmanager
 def serve(engine, model_name, api_key=None):
     """The app on a free local port, in a thread; yields its base URL."""
+    with serve_app(build_app(engine, model_name, api_key=api_key)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_app(app, **options):
+    """`app` on a free loopback port, with uvicorn `options` (as `nanoserve serve` passes them)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine, model_name, api_key=api_key), log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    deadline = time.monotonic() + 60
     while not uv.started:
+        assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"

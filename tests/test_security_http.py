@@ -21,9 +21,9 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 from security_kit import (CONFIG, MODEL, VICTIM_PROMPT, assert_untouched, completion_body,
                           live_server, stream_events, stream_text, victim, wait_idle)
+from test_api import serve_app
 
 from nanoserve import AsyncLLM, SamplingParams
 from nanoserve.errors import EngineOverloadedError
@@ -35,25 +35,6 @@ ORIGIN = "https://app.example"
 def server(tmp_path_factory):
     with live_server(tmp_path_factory.mktemp("http")) as server:
         yield server
-
-
-@contextlib.contextmanager
-def serve_app(app, **options):
-    """`app` on a free loopback port, with uvicorn `options` (as `nanoserve serve` passes them)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", **options))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not uv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        uv.should_exit = True
-        thread.join(10)
 
 
 def post(server, body, path: str = "/v1/completions", **headers) -> httpx.Response:
