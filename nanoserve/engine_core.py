@@ -10,7 +10,8 @@ or in a thread of the API server's process (`--no-engine-process`). The loop tak
 request and abort that arrived, steps, and sends the step's outputs as ONE message. What one
 request's row raises (a NaN or inf row, a seed no generator takes, a grammar's refusal) fails
 that request alone, and the rest of the step goes on (`_fail_alone`). Any other error in a
-step fails only that step's requests, and no client's error names another's request (`_told`).
+step fails only that step's requests (the API server tells each client only its own id:
+protocol.py's `own_ids_only`).
 An error outside the step ends the loop, and its last message says so (`dead`), so that the
 front end can fail every open stream instead of leaving them waiting. So does a step's CUDA
 error (`is_fatal_step_error`): it leaves the device unusable, and every later step would fail
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import sys
 import time
 import traceback
@@ -126,8 +126,8 @@ class EngineCore:
             self.scheduler.abort(ids)
             logging.getLogger("nanoserve").exception("the engine step failed")
             if is_fatal_step_error(e):     # every later step would fail too: the engine is dead
-                raise EngineDeadError(f"the engine cannot go on: {_told(e, ids)}") from e
-            raise EngineStepError(f"the engine step failed: {_told(e, ids)}", ids) from e
+                raise EngineDeadError(f"the engine cannot go on: {type(e).__name__}: {e}") from e
+            raise EngineStepError(f"the engine step failed: {type(e).__name__}: {e}", ids) from e
         if failed:
             self._fail_alone(scheduler_output, failed)
         update_start = time.perf_counter()
@@ -208,17 +208,6 @@ class EngineCore:
               f"preempted {out.preempted_req_ids or '-'}, {duration * 1e3:.1f} ms", file=sys.stderr)
         if self.config.debug >= 2:
             self.kv_cache_manager.check_invariants()
-
-
-def _told(e: Exception, request_ids: list[str]) -> str:
-    """What the clients of a failed step are told: the error's type and message, but the type
-    alone when the message names a request and the step had more than one (each client hears
-    the same text, and none may learn another's request id; the engine's log, and the offline
-    LLM's traceback, have it all)."""
-    if len(request_ids) > 1 and any(re.search(rf"(?<![\w-]){re.escape(r)}(?![\w-])", str(e))
-                                    for r in request_ids):
-        return f"{type(e).__name__} (its message names a request: see the engine's log)"
-    return f"{type(e).__name__}: {e}"
 
 
 # One input of the loop: ("add", [Request]), ("abort", [request id]) or ("shutdown", None).

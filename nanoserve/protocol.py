@@ -138,7 +138,8 @@ def own_ids_only(message: str, request_id: Optional[str] = None) -> str:
 def api_error_of(e: Exception, request_id: str) -> APIError:
     """400: refused up front; 408: over request_timeout_s; 500: a failed step (the engine goes
     on), the engine (a data-parallel rank) stopped under the request, or any other error of this
-    request alone; 503: too many waiting (retry soon). A request that comes once the engine has stopped is a 503 (api.py)."""
+    request alone; 503: too many waiting (retry soon). A request that comes once the engine has
+    stopped is a 503 (api.py)."""
     if isinstance(e, EngineOverloadedError):
         return APIError(503, str(e), code="overloaded", headers={"Retry-After": "1"})
     status = {ValueError: 400, RequestTimeoutError: 408}.get(type(e), 500)
