@@ -46,6 +46,7 @@ import hashlib
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -136,7 +137,7 @@ def convert(llama_cpp: Path, checkpoint: Path, gguf_dir: Path, python: str) -> t
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 out.unlink(missing_ok=True)
-                raise SystemExit(f"conversion to {outtype} failed:\n{done.stderr[-3000:]}")
+                raise SystemExit(failure(f"conversion to {outtype}", done))
             if FALLBACK_MARK in done.stdout:
                 mark.touch()
         paths[label] = out
@@ -162,11 +163,20 @@ def parse_batched_bench(output: str, num_seqs: int) -> float:
     raise ValueError(f"no result for {num_seqs} sequences in llama-batched-bench's output")
 
 
+def failure(what: str, done: subprocess.CompletedProcess) -> str:
+    """Why a child failed: its exit status, or the signal that killed it (a crash prints nothing
+    on stderr: llama.cpp's AMX build of GGML_NATIVE=ON died of SIGSEGV in Q8_0 on one machine),
+    and the end of its stderr."""
+    status = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+              else f"exit status {done.returncode}")
+    return f"{what} failed ({status}):\n{done.stderr[-3000:] or '(nothing on stderr)'}"
+
+
 def run_binary(llama_cpp: Path, name: str, args: list[str]) -> str:
     done = subprocess.run([str(llama_cpp / "build" / "bin" / name), *args],
                           capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"{name} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(failure(f"{name} {' '.join(args)}", done))
     return done.stdout
 
 

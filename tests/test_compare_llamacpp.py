@@ -91,3 +91,15 @@ def test_bpe_checkpoint_is_converted_as_it_is_and_a_too_small_vocabulary_is_refu
     small = write_checkpoint(tmp_path / "small", "WordLevel", vocab_size=100)
     with pytest.raises(SystemExit, match="do not fit"):
         compare_llamacpp.gguf_source(small, tmp_path / "staging2")
+
+
+def test_a_child_killed_by_a_signal_is_named_not_a_bare_failed():
+    """A crash prints nothing on stderr: the message names the signal (it used to be 'failed:')."""
+    import subprocess
+    crash = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), "
+                            "signal.SIGSEGV)"], capture_output=True, text=True)
+    message = compare_llamacpp.failure("llama-bench -m model-Q8_0.gguf", crash)
+    assert "killed by SIGSEGV" in message and "(nothing on stderr)" in message, message
+    exited = subprocess.run([sys.executable, "-c", "import sys; sys.exit('bad model')"],
+                            capture_output=True, text=True)
+    assert "exit status 1" in compare_llamacpp.failure("x", exited) and "bad model" in exited.stderr
