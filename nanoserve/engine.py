@@ -7,8 +7,8 @@
 
 The engine core (engine_core.py) speaks token ids only. Both front ends do the same three
 things around it: `Processor` (processor.py) turns a prompt into engine Requests (tokenize,
-validate with `check_fits`, fan out n > 1), `OutputProcessor` (output_processor.py) turns the engine's
-token ids back into text and stop strings, and they talk to the engine core through its
+validate with `check_fits`, fan out n > 1), `OutputProcessor` (output_processor.py) turns the
+engine's token ids back into text and stop strings, and they talk to the engine core through its
 methods alone (`LLM` steps it itself; `AsyncLLM` through a client, core_client.py, with the
 core in its own process or in a thread). An n > 1 request becomes n child requests with
 the same prompt, which share the prompt's KV blocks through the prefix cache, as in vLLM V1.

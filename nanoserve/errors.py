@@ -12,7 +12,7 @@ classes (and a user catches them with one import):
 
 A request that can never run is a plain ValueError naming the field (Processor, processor.py).
 The HTTP layer's `APIError` (OpenAI's error JSON and a status code) is not here: it belongs to
-the server, so it stays in protocol.py, and api.py maps these errors onto it (`_api_error`).
+the server, so it stays in protocol.py, which maps these errors onto it (`api_error_of`).
 Plain classes that import nothing of nanoserve (any layer may import them). They cross from
 the engine core's process to the API server's as (class name, message), rebuilt from a fixed
 list (serial_utils.WIRE_ERRORS): a new class needs its place there, or arrives as its base.

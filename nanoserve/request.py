@@ -6,7 +6,7 @@ without importing each other (the scheduler, the KV cache manager, the worker, t
 Between the API server process and the engine core process they travel as typed msgpack, never
 pickled: their wire forms (EngineCoreRequest, Outputs) are in serial_utils.py.
 `fit_error` is the one answer to "can this request ever run?": `check_fits` raises it for
-Processor (engine.py), which both front ends pass through before anything reaches the engine;
+Processor (processor.py), which both front ends pass through before anything reaches the engine;
 the scheduler only asserts it.
 
 Lessons: lessons/03-continuous-batching.md, lessons/04-preemption.md

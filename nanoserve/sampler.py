@@ -134,7 +134,7 @@ def _check_batch(params: list[SamplingParams], prompt_token_ids: list[list[int]]
                  output_token_ids: list[list[int]], generators: list[Optional[torch.Generator]],
                  eos_token_id: Optional[int], vocab_size: int) -> None:
     """ValueError for a batch the caller put together wrong. The parameters' own values were
-    checked once, by SamplingParams and Processor (engine.py): here they are only asserted."""
+    checked once, by SamplingParams and Processor (processor.py): here they are only asserted."""
     n = len(params)
     for name, per_row in (("prompt_token_ids", prompt_token_ids),
                           ("output_token_ids", output_token_ids), ("generators", generators)):

@@ -21,9 +21,9 @@ regex, a choice or an EBNF grammar (structured_output.py):
 
 Validation happens here, at construction, so bad input is refused before it reaches the
 engine: every number is finite and fits the type the step computes it in (an int is an int64,
-a float a float32), so no value that passed can make a step, or the socket to it, raise. A temperature in
-(0, 0.01) is raised to 0.01, as vLLM does (dividing by less overflows the float32 logits), and
-a repetition penalty, which divides them too, must be >= 0.01. The checks that need the
+a float a float32), so no value that passed can make a step, or the socket to it, raise. A
+temperature in (0, 0.01) is raised to 0.01, as vLLM does (dividing by less overflows the
+float32 logits), and a repetition penalty, which divides them too, must be >= 0.01. The checks that need the
 model (stop_token_ids against the vocabulary, logprobs against max_logprobs) are
 Processor's (processor.py). The sampler re-checks none of it, only asserts. Torch-free: the
 scheduler and the API server read it too.

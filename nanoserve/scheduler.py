@@ -103,7 +103,7 @@ class Scheduler:
 
     # -- admission -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request (ValueError if its id is taken). Processor (engine.py) refused any
+        """Queue a request (ValueError if its id is taken). Processor (processor.py) refused any
         request that could never run, so one that gets here fits: asserted, not re-checked."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")

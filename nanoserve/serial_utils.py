@@ -179,7 +179,6 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     pid: int
     worker_pids: list[int]
 
-
     @classmethod
     def from_core(cls, core) -> "Ready":
         return cls(core.config, core.vocab_size, core.model_path, core.get_stats(),
