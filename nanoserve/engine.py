@@ -84,9 +84,9 @@ class LLM:
             self._run(sum(map(len, requests)), progress)
             for output in outputs:
                 output.outputs = self.output_processor.completions(output.request_id)
-        finally:
+        finally:           # (a request that failed alone raised: the others must not run on)
             for output in outputs:
-                self.output_processor.remove(output.request_id)
+                self.engine.abort(self.output_processor.remove(output.request_id))
         return outputs
 
     def stream(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None

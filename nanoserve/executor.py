@@ -36,7 +36,7 @@ Run the tests:
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import multiprocessing
 import queue
 import shutil
@@ -85,7 +85,7 @@ class MultiprocExecutor:
             self.procs.append(proc)
         # One thread sends the steps: a worker that stops reading (hung, stopped) may block it
         # on a full pipe, never the engine core, which waits for the answer under the watchdog.
-        threading.Thread(target=_send_steps, args=(self._outbox, self.conns),
+        threading.Thread(target=_send_steps, args=(self._outbox, self.conns, self.procs),
                          name="nanoserve-tp-sender", daemon=True).start()
         try:
             info: RunnerInfo = self._receive(range(len(self.procs)))[0]
@@ -165,14 +165,24 @@ class MultiprocExecutor:
         self._finalizer()
 
 
-def _send_steps(outbox: queue.SimpleQueue, conns) -> None:
+def _send_steps(outbox: queue.SimpleQueue, conns, procs) -> None:
     """The sender thread: each SchedulerOutput to every rank, in order, until None (which the
-    workers get too: stop); then it closes the pipes."""
+    workers get too: stop); then it closes the pipes. A step it cannot send (a bug: it does not
+    pickle) is logged and ends the workers, so the engine core hears of it at once (their
+    sentinels), not after the watchdog's timeout."""
     while True:
         message = outbox.get()
         for conn in conns:
-            with contextlib.suppress(OSError):    # a worker gone: its sentinel says so
+            try:
                 conn.send(message)
+            except OSError:                       # a worker gone: its sentinel says so
+                pass
+            except Exception:
+                logging.getLogger("nanoserve").exception("a step could not be sent to the "
+                                                         "tensor-parallel workers")
+                for proc in procs:
+                    proc.kill()
+                return
         if message is None:
             for conn in conns:
                 conn.close()
