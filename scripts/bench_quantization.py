@@ -19,6 +19,7 @@ import time
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.layers import Linear
 from nanoserve.tools.bench import cpu_description, make_checkpoint
 
 
@@ -34,15 +35,14 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes one decode step reads: every product's weight as its path holds it (scales included)."""
-    runner = llm.engine.runner
-    forward = runner.backend.forward
-    layers = getattr(forward, "layers", None)
-    if layers is None:   # not the fused step: the model's own tensors
-        return sum(t.nbytes for t in [*runner.model.parameters(), *runner.model.buffers()])
-    gemms = [p.gemm for layer in layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    # + the LM head, kept in bf16: the embedding's shape (the backend holds the head's weight)
-    return sum(g.nbytes for g in gemms) + runner.model.model.embed_tokens.weight.nbytes
+    """Bytes one decode step reads: every layer's product weight as its path holds it (the CPU
+    backend's Gemm, scales included; else the Linear's own tensors), and the LM head, kept in the
+    model dtype: the embedding's shape."""
+    model = llm.engine.runner.model
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
+    held = [getattr(m.impl, "__self__", m) for m in linears]   # a Gemm's bound product, or the Linear
+    own = lambda linear: sum(t.nbytes for t in [*linear.parameters(), *linear.buffers()])  # noqa: E731
+    return sum(own(h) if isinstance(h, Linear) else h.nbytes for h in held) + model.model.embed_tokens.weight.nbytes
 
 
 def main() -> None:

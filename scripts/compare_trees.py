@@ -3,12 +3,13 @@ side by side, taking turns: is a change faster or slower, and by how much?
 
     git worktree add /tmp/before HEAD~3
     python scripts/compare_trees.py --dtype bfloat16 --variant before=/tmp/before \
-        --variant after=. --variant after-unfused=.:NANOSERVE_CPU_FUSION=0
+        --variant after=. --variant after-eager=.:ENFORCE_EAGER=1
 
 A variant is NAME=TREE[:VAR=VALUE,...]: nanoserve imported from TREE (a checkout's root) with those
-environment variables. Each variant's engine runs in a process of its own (this Python, PYTHONPATH
-set to its tree), started and warmed up once; then the workload (nanoserve.tools.bench's, the same
-one scripts/compare_vllm.py runs: 64 requests, prefix caching off) is timed `--runs` times in each,
+environment variables (ENFORCE_EAGER=1: the engine with --enforce-eager). Each variant's engine
+runs in a process of its own (this Python, PYTHONPATH set to its tree), started and warmed up
+once; then the workload (nanoserve.tools.bench's, the same one scripts/compare_vllm.py runs: 64
+requests, prefix caching off) is timed `--runs` times in each,
 the variants taking turns in an order that rotates every round, and the others stopped (SIGSTOP)
 while one runs, as scripts/compare_vllm.py does with vLLM and for the same reasons (the host's
 speed drifts within minutes; a waiting engine still uses some CPU). Prints each variant's median
@@ -29,12 +30,13 @@ from compare_vllm import EngineProcess   # noqa: E402  (an engine in a subproces
 from nanoserve.tools.bench import cpu_description, make_checkpoint, make_workload   # noqa: E402
 
 NANOSERVE_SIDE = r"""
-import json, sys, time
+import json, os, sys, time
 from nanoserve import LLM, SamplingParams
 
 spec = json.load(open(sys.argv[1]))
+eager = {"enforce_eager": True} if os.environ.get("ENFORCE_EAGER") == "1" else {}
 llm = LLM(spec["model"], dtype=spec["dtype"], quantization=spec["quantization"], kv_cache_memory_gb=4,
-          max_model_len=1024, enable_prefix_caching=False)
+          max_model_len=1024, enable_prefix_caching=False, **eager)
 llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), progress=False)
 print("READY", flush=True)
 params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in spec["output_lens"]]

@@ -1,6 +1,6 @@
-"""gpu_graphs.py: scripts/gpu_smoke.py's two sections on CUDA graphs (nanoserve/cuda/graphs.py), and
-the helpers both files use (freeing an LLM's memory, timing a call), kept here so that
-gpu_smoke.py stays under 400 lines. Run the sections through it:
+"""gpu_graphs.py: scripts/gpu_smoke.py's two sections on CUDA graphs (nanoserve/graph_capture.py,
+nanoserve/cuda/graphs.py), and the helpers both files use (freeing an LLM's memory, timing a
+call), kept here so that gpu_smoke.py stays under 400 lines. Run the sections through it:
 
     python scripts/gpu_smoke.py graphs graph-speed     # from the repository root, on a CUDA GPU
 
@@ -23,7 +23,8 @@ from collections import Counter
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.cuda.graphs import CUDAGraph, CUDAGraphWrapper
+from nanoserve.cuda.graphs import CUDAGraph
+from nanoserve.graph_capture import GraphWrapper
 from nanoserve.step_inputs import padded_batch_size
 
 HBM_BYTES_S = 4.8e12   # the H200's memory bandwidth
@@ -78,14 +79,14 @@ def replay_equals_eager(dtype: str, prompts: list[str]) -> str:
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), progress=False)
     runner, checked = llm.engine.runner, []
     graphs = runner.backend.forward
-    assert isinstance(graphs, CUDAGraphWrapper), f"no graphs captured: {graphs!r}"
+    assert isinstance(graphs, GraphWrapper), f"no graphs captured: {graphs!r}"
     for n in (1, 3, 8, 13):
         size = padded_batch_size(n, runner.backend.cudagraph_capture_sizes)
         ids, positions, meta = decode_step(runner, n, size)
         graph, captured_ids = graphs.graphs[size]
         assert ids.data_ptr() == captured_ids.data_ptr(), "the step is not in the captured inputs"
         replayed = graph.replay()[:n].clone()
-        eager = graphs.model(ids, positions, runner.kv_caches, meta)[:n]
+        eager = graphs.forward(ids, positions, runner.kv_caches, meta)[:n]
         err = (replayed.float() - eager.float()).abs().max().item()
         print(f"{dtype}: {n} decodes padded to {size}: replay - eager max |diff| {err:.1e}")
         assert torch.equal(replayed, eager), f"{dtype}, {n} padded to {size}: replay != eager"
@@ -143,7 +144,7 @@ def launch_counts() -> str:
     runner = llm.engine.runner
     graphs = runner.backend.forward
     ids, positions, meta = decode_step(runner, 1, 1)
-    eager = launches(lambda: graphs.model(ids, positions, runner.kv_caches, meta))
+    eager = launches(lambda: graphs.forward(ids, positions, runner.kv_caches, meta))
     replay = launches(lambda: graphs(ids, positions, runner.kv_caches, meta))
     del llm, graphs
     free_cuda_memory()

@@ -24,7 +24,7 @@ from transformers import LlamaConfig  # noqa: E402
 from nanoserve import LLM  # noqa: E402
 from nanoserve.config import Config  # noqa: E402
 from nanoserve.cpu import kernels as cpu_kernels  # noqa: E402
-from nanoserve.cuda.graphs import CUDAGraphWrapper  # noqa: E402
+from nanoserve.graph_capture import GraphWrapper  # noqa: E402
 from nanoserve.layers import Attention, RopeStoreKV  # noqa: E402
 from nanoserve.models import get_model_class  # noqa: E402
 from nanoserve.step_inputs import PAD_SLOT_ID, StepInputs, padded_batch_size  # noqa: E402
@@ -213,10 +213,10 @@ def test_capture_records_the_models_forward_largest_first():
     model.model.layers[0].register_forward_hook(lambda module, args, out: calls.append(args[1].shape[0]))
     inputs, caches = StepInputs(64, 8, 8, CPU), new_kv_caches()
     StandInGraph.captured, StandInGraph.replays = [], 0
-    graphs = CUDAGraphWrapper(model, [1, 2, 4, 8], graph_type=StandInGraph)
+    graphs = GraphWrapper(model, [1, 2, 4, 8], StandInGraph)
     graphs.capture(inputs, caches)
     assert StandInGraph.captured == [8, 4, 2, 1]
-    assert calls == [8, 8, 4, 4, 2, 2, 1, 1]   # a warm-up and the capture per size: the model ran
+    assert calls == [8, 4, 2, 1]   # the capture per size: the model ran
     input_ids, positions, meta, _ = inputs.place(**decode_step(**STEP), num_rows=4)
     replayed = graphs(input_ids, positions, caches, meta).clone()
     assert StandInGraph.replays == 1
@@ -239,7 +239,7 @@ def test_bind_captures_at_one_rank_unless_eager(monkeypatch):
         model = make_model()
         backend = cuda_backend.bind(model, config, {})
         assert backend.cudagraph_capture_sizes == sizes
-        assert isinstance(backend.forward, CUDAGraphWrapper) if sizes else backend.forward is model
+        assert isinstance(backend.forward, GraphWrapper) if sizes else backend.forward is model
 
 
 @pytest.mark.parametrize("kernels", ["0", "1"])
@@ -251,7 +251,7 @@ def test_greedy_through_replayed_decode_steps_equals_hf(checkpoint, kernels, mon
     path, hf_model = checkpoint
     llm = LLM(path, block_size=16, max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
     runner, sizes = llm.engine.runner, [1, 2, 4, 8]
-    graphs = CUDAGraphWrapper(runner.backend.forward, sizes, graph_type=StandInGraph)
+    graphs = GraphWrapper(runner.backend.forward, sizes, StandInGraph)
     StandInGraph.replays = 0
     graphs.capture(runner.inputs, runner.kv_caches)
     runner.backend.forward, runner.backend.cudagraph_capture_sizes = graphs, sizes

@@ -180,18 +180,19 @@ def check_dtype_against_hf(llm, model, dtype: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("backend", ["torch", "cpu", "cpu-unfused"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "cpu-eager"])
 def test_greedy_equals_hf_on_the_torch_reference_and_the_cpu_backend(checkpoint, dtype, backend,
                                                                      monkeypatch):
     """Both paths to HF's tokens: the model on the torch reference alone
-    (NANOSERVE_CPU_KERNEL=0, the code the lessons teach) and on the CPU backend, with its fused
-    step and without it (NANOSERVE_CPU_FUSION=0); float32, and bfloat16 against HF in bf16."""
+    (NANOSERVE_CPU_KERNEL=0, the code the lessons teach) and on the CPU backend, its decode steps
+    captured and replayed (cpu/graphs.py) and with --enforce-eager; float32, and bfloat16 against
+    HF in bf16."""
     if backend != "torch" and cpu_kernels.load() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("NANOSERVE_CPU_KERNEL", "0" if backend == "torch" else "1")
-    monkeypatch.setenv("NANOSERVE_CPU_FUSION", "0" if backend == "cpu-unfused" else "1")
     ckpt, model = checkpoint
-    llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype)
+    llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype,
+              enforce_eager=backend == "cpu-eager")
     assert llm.engine.runner.backend.name == ("torch" if backend == "torch" else "cpu")
     check_dtype_against_hf(llm, model, dtype, seed=3)
 

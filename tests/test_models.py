@@ -6,7 +6,7 @@ forward per sequence, ours through the paged cache in steps that split the seque
 the scheduler would (whole prefill, prefill in chunks, decodes batched with another prefill).
 Every position's logits must agree, on the torch reference (the plain model: each op's
 forward_native) and with the CPU backend bound (nanoserve/cpu/backend.py: the C kernels and the
-products of gemm.c, as the fused step where the model allows it and as the unfused ops).
+products of gemm.c).
 
     pytest -q tests/test_models.py
 """
@@ -118,10 +118,9 @@ SCHEDULES = {
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler here")
 # "torch": the plain model, every op on its forward_native. "cpu": the CPU backend bound with
-# every product on gemm.c (the fused step where FusedStep.supports the model, the unfused ops
-# elsewhere: Qwen3's q/k norms). "cpu-unfused": the same with NANOSERVE_CPU_FUSION=0.
-BACKENDS = ["torch", pytest.param("cpu", marks=needs_kernels),
-            pytest.param("cpu-unfused", marks=needs_kernels)]
+# every product on gemm.c, each step run op by op (no capture here: replayed decode steps are
+# tests/test_cpu_graphs.py's, and test_llm.py's through the engine).
+BACKENDS = ["torch", pytest.param("cpu", marks=needs_kernels)]
 
 
 def bind_backend(model, backend, monkeypatch):
@@ -130,15 +129,10 @@ def bind_backend(model, backend, monkeypatch):
     if backend == "torch":
         return None
     from nanoserve.cpu.backend import bind
-    from nanoserve.cpu.fused import FusedStep
-    if backend == "cpu-unfused":
-        monkeypatch.setenv("NANOSERVE_CPU_FUSION", "0")
-    fusable = FusedStep.supports(model)
     bound = bind(model, Config(cpu_gemm="kernel"))
     assert bound is not None and bound.name == "cpu"
-    # Not the torch reference by accident: the products are gemm.c's, and the step the one asked.
+    # Not the torch reference by accident: the products are gemm.c's.
     assert set(bound.gemm_paths.values()) == {"kernel"}
-    assert isinstance(bound.forward, FusedStep) == (backend == "cpu" and fusable)
     return bound
 
 

@@ -154,7 +154,7 @@ V3 = {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}
 V4 = V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 X86_LEVELS = {"cooperlake": (V4 | {"avx512_vnni", "avx512_bf16"}, 16),
               "x86-64-v4": (V4, 16), "x86-64-v3": (V3, 8), "x86-64": (set(), 4)}
-KERNEL_ORACLES = ["tests/test_paged_attention.py", "tests/test_cpu_backend.py", "tests/test_cpu_fused.py",
+KERNEL_ORACLES = ["tests/test_paged_attention.py", "tests/test_cpu_backend.py", "tests/test_cpu_graphs.py",
                   "tests/test_sampler.py", "tests/test_llm.py"]
 
 

@@ -115,7 +115,7 @@ def test_int8_integer_products_cannot_overflow():
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_kernel_with_bias_and_silu_and_mul(dtype):
-    """The forms the fused step uses: a bias, and gate_up ending in silu(gate) * up."""
+    """The forms a replayed step uses: a bias, and gate_up ending in silu(gate) * up."""
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(2 * 40, 64, generator=gen), torch.randn(2 * 40, generator=gen).to(dtype)
     q, scale = quantize(weight, "int8")
@@ -134,25 +134,39 @@ def test_int8_kernel_with_bias_and_silu_and_mul(dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("form", ["registers", "panels"])
-def test_fused_step_on_int8_products_equals_the_torch_reference(tmp_path, monkeypatch, dtype, form):
-    """The CPU backend's fused step with every product on gemm_int8 (norms inside, gate_up ending
-    in silu * up) == the model on its torch reference (dequantize, F.linear), logits of a prefill."""
+def test_replayed_int8_steps_equal_the_torch_reference(tmp_path, monkeypatch, dtype, form):
+    """The CPU backend with every product on gemm_int8 == the model on its torch reference
+    (dequantize, F.linear): the logits of a prefill (eager), and of a decode step after it,
+    replayed from a capture with the norms and silu * up folded into the products."""
     from nanoserve.cpu import gemm
-    from nanoserve.cpu.fused import FusedStep
     build_checkpoint(tmp_path, "llama")
     monkeypatch.setattr(gemm, "int8_register_rows", lambda *shape: 1 << 30 if form == "registers" else 0)
-    config = Config(model=str(tmp_path), dtype=dtype, quantization="int8", cpu_gemm="kernel", num_kv_blocks=32)
-    fused = ModelRunner(config)
-    assert isinstance(fused.backend.forward, FusedStep)
-    assert {p for label, p in fused.gemm_paths.items() if "int8" in label} == {"kernel"}
+    config = Config(model=str(tmp_path), dtype=dtype, quantization="int8", cpu_gemm="kernel", num_kv_blocks=32,
+                    max_num_seqs=4)
+    ours = ModelRunner(config)
+    assert ours.backend.cudagraph_capture_sizes == [1, 2, 4]
+    assert {p for label, p in ours.gemm_paths.items() if "int8" in label} == {"kernel"}
+    record = [call.kernel for call in ours.backend.forward.graphs[1][0].record if call.kernel]
+    assert "gemm_int8" in record and "silu_and_mul" not in record and record.count("rms_norm") == 1
     monkeypatch.setenv("NANOSERVE_CPU_KERNEL", "0")
     reference = ModelRunner(config)
     assert reference.backend.name == "torch"
-    docs = [list(range(5, 45)), list(range(100, 103))]
-    for ids in docs:
-        ours, ref = (logits_of(runner, ids) for runner in (fused, reference))
-        tol = 1e-4 if dtype == "float32" else 3e-2
-        torch.testing.assert_close(ours, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for ids in (list(range(5, 45)), list(range(100, 103))):
+        mine, ref = (logits_of(runner, ids[:-1]) for runner in (ours, reference))
+        torch.testing.assert_close(mine, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+        mine, ref = (decode_logits(runner, ids) for runner in (ours, reference))
+        torch.testing.assert_close(mine, ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def decode_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """The logits of a decode step of ids[-1] after logits_of(runner, ids[:-1]) filled the cache:
+    a decode-only step, padded to a capture size (a replay where the backend captured one)."""
+    table = list(range(-(-len(ids) // runner.block_size)))
+    out = SchedulerOutput([SimpleNamespace(all_token_ids=ids, num_tokens=len(ids))], [1], [len(ids) - 1], [table])
+    input_ids, positions, meta, logits_indices, _ = runner.prepare_inputs(out)
+    hidden = runner.backend.forward(input_ids, positions, runner.kv_caches, runner.backend.build_metadata(meta))
+    return runner.model.compute_logits(hidden[logits_indices]).float()
 
 
 def test_fp8_scaled_mm_selection_and_product():

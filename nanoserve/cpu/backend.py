@@ -1,5 +1,5 @@
 """backend.py: the CPU backend, bound to a loaded model once: each op's C form, each product's
-path timed on this machine, and the fused step that runs every step where it can.
+path timed on this machine, and decode steps captured and replayed (graphs.py).
 
     backend = bind(model, config)     # None where the C kernels cannot be built here
     backend.forward(input_ids, positions, kv_caches, backend.build_metadata(attn_metadata))
@@ -9,32 +9,36 @@ What `bind` does, in order:
   2. every Linear gets the product path timed fastest here on its shape (gemm.py), and gives up
      its unpacked weight to it;
   3. RMSNorm, SiluAndMul, RopeStoreKV and Attention get their C forms (ops.py);
-  4. where the model allows it (fused.py: FusedStep.supports), the step runs as the fused step:
-     the same kernels in one flat loop, with the norms inside the products and silu(gate) * up on
-     gate_up's tiles. NANOSERVE_CPU_FUSION=0 keeps the unfused forms (to compare the two).
+  4. at one rank, in float32 or bf16 (the dtypes of the C forms) and unless enforce_eager, the
+     forward is wrapped for capture (graph_capture.py with graphs.py's CpuGraph): the runner
+     captures a decode step per size once its KV cache exists, and those steps replay.
 
 NANOSERVE_CPU_KERNEL=0 skips the backend altogether (backends.py): the torch reference everywhere.
 
-    pytest -q tests/test_cpu_backend.py tests/test_cpu_fused.py
+    pytest -q tests/test_cpu_backend.py tests/test_cpu_graphs.py
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
+
+import torch
 
 from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
-from nanoserve.cpu.fused import FusedStep
 from nanoserve.cpu.gemm import choose_cpu_gemms
+from nanoserve.cpu.graphs import CpuGraph, fusion_passes
 from nanoserve.cpu.host_memory import keep_freed_memory, new_kv_cache
 from nanoserve.cpu.ops import CpuAttentionMetadata, attention, rms_norm, rope_store_kv, silu_and_mul
+from nanoserve.graph_capture import GraphWrapper
 from nanoserve.layers import Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul
 
 
-def fusion_enabled() -> bool:
-    return os.environ.get("NANOSERVE_CPU_FUSION") != "0"
+def model_step(model, build_metadata, input_ids, positions, kv_caches, attn_metadata):
+    """The model on the CPU's metadata, built here when the caller has not (a capture: then the
+    building is recorded with the step, on the runner's inputs)."""
+    return model(input_ids, positions, kv_caches, build_metadata(attn_metadata))
 
 
 def bind(model, config: Config) -> Optional[Backend]:
@@ -43,8 +47,11 @@ def bind(model, config: Config) -> Optional[Backend]:
     if cpu_kernels.load() is None:
         return None
     keep_freed_memory()
-    fused = fusion_enabled() and FusedStep.supports(model)
-    gemms, gemm_paths = choose_cpu_gemms(model, config, silu_fused=fused)
+    capturable = (config.tensor_parallel_size == 1
+                  and model.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
+    sizes = config.cudagraph_capture_sizes if capturable else []
+    # gate_up packed for graphs.py's fuse_silu: only worth its gather where steps replay
+    gemms, gemm_paths = choose_cpu_gemms(model, config, silu_fused=bool(sizes) and "silu" in fusion_passes())
     for module in model.modules():
         if isinstance(module, Linear):
             module.impl, module.weight = gemms[module].product, None   # the gemm holds what it needs
@@ -56,10 +63,14 @@ def bind(model, config: Config) -> Optional[Backend]:
             module.impl = functools.partial(rope_store_kv, module)
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
-    forward = FusedStep.build(model, gemms) if fused else model
     # A request verifying k drafts is k + 1 decodes (vLLM's reorder_batch_threshold): cpu/ops.py
     spec = config.speculative_config
     build_metadata = functools.partial(CpuAttentionMetadata.of, max_decode_query_len=1 + (
         spec.num_speculative_tokens if spec is not None else 0))
-    return Backend("cpu", forward, build_metadata=build_metadata, argmax=cpu_kernels.argmax,
-                   new_kv_cache=new_kv_cache, gemm_paths=gemm_paths)
+    if not sizes:
+        return Backend("cpu", model, build_metadata=build_metadata, argmax=cpu_kernels.argmax,
+                       new_kv_cache=new_kv_cache, gemm_paths=gemm_paths)
+    graphs = GraphWrapper(functools.partial(model_step, model, build_metadata), sizes, CpuGraph)
+    return Backend("cpu", graphs, build_metadata=build_metadata, argmax=cpu_kernels.argmax,
+                   new_kv_cache=new_kv_cache, gemm_paths=gemm_paths,
+                   cudagraph_capture_sizes=sizes, capture=graphs.capture)

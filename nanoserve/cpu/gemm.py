@@ -27,11 +27,11 @@ model's real shapes and row counts, on this machine, and gives each Linear the f
     and kernel (gemm.c's gemm_int8, Int8KernelGemm); fp8: torch alone (no CPU multiplies fp8).
 
 Each path is a `Gemm` with two forms of its product: `product(x)`, the Linear op's (what
-layers.Linear.forward_native computes), and `gemm(x, norm, residual)`, the fused step's
-(cpu/fused.py): the product of RMSNorm(x + residual) where a norm is given, ending in
-silu(gate) * up for a gate_up built with `silu_and_mul`. gemm.c (the `kernel` and `amx` paths)
-normalises the rows as it copies them and applies silu to its tiles, so neither the normalised rows
-nor gate_up are ever stored; the other paths apply them around the product.
+layers.Linear.forward_native computes), and `gemm(x)`, the form a captured decode step replays
+(cpu/graphs.py), which for a gate_up built with `silu_and_mul` ends in silu(gate) * up. gemm.c (the
+`kernel` and `amx` paths) applies it to its tiles, so gate_up is never stored (graphs.py's
+fuse_silu rewrites the recorded call into that form; the norm before a product is folded into
+gemm.c's call the same way, fuse_norms); the other paths apply it after the product.
 
     >>> choose_cpu_gemms(model, Config())                          # doctest: +SKIP
     ({<Linear>: <KernelGemm>, ...}, {'576x1536 float32': 'kernel', ...})
@@ -55,24 +55,21 @@ from torch import Tensor
 
 from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
-from nanoserve.cpu.ops import rms_norm, silu_and_mul
-from nanoserve.layers import Linear, RMSNorm, gemm_label
+from nanoserve.cpu.ops import silu_and_mul
+from nanoserve.layers import Linear, gemm_label
 from nanoserve.quantization import dequantize, quantize
 
 
 class Gemm:
-    """One Linear's product on one path. `product(x)`: x @ W.T + b. `gemm(x, norm, residual)`:
-    the fused step's form (the module docstring); here, for the paths whose product cannot take
-    them, the norm before the product and silu(gate) * up after it."""
+    """One Linear's product on one path. `product(x)`: x @ W.T + b. `gemm(x)`: the replayed
+    step's form (the module docstring); here, for the paths whose product cannot end in it,
+    silu(gate) * up after the product."""
     silu_and_mul = False
 
     def product(self, x: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
-                 residual: Optional[Tensor] = None) -> Tensor:
-        if norm is not None:
-            x = rms_norm(norm, x) if residual is None else rms_norm(norm, x, residual)[0]
+    def __call__(self, x: Tensor) -> Tensor:
         y = self.product(x)
         return silu_and_mul(y) if self.silu_and_mul else y
 
@@ -131,10 +128,9 @@ class KernelGemm(Gemm):
         return cpu_kernels.gemm(x, self.packed, self.bias, self.packed_rows, scales=self.scales,
                                 register_rows=self.register_rows)[..., self.columns]
 
-    def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
-                 residual: Optional[Tensor] = None) -> Tensor:
+    def __call__(self, x: Tensor) -> Tensor:
         return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul,
-                                norm, residual, self.scales, self.register_rows)
+                                scales=self.scales, register_rows=self.register_rows)
 
 
 class Int8KernelGemm(KernelGemm):
@@ -157,8 +153,8 @@ class Int8KernelGemm(KernelGemm):
     def product(self, x: Tensor) -> Tensor:
         return super().product(x.to(self.dtype))
 
-    def __call__(self, x: Tensor, norm=None, residual: Optional[Tensor] = None) -> Tensor:
-        return super().__call__(x.to(self.dtype), norm, residual)
+    def __call__(self, x: Tensor) -> Tensor:
+        return super().__call__(x.to(self.dtype))
 
 
 NO_ROW_LIMIT = 1 << 30   # more rows than any batch has
@@ -214,7 +210,7 @@ class Int8PackGemm(Gemm):
 class AmxGemm(Gemm):
     """x @ W.T + b in bf16 with W as it is: up to `loop_rows` rows by gemm.c's AMX loop
     (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows).
-    silu_and_mul: W is gate_up, and the fused form ends in silu(gate) * up (the loop applies it to
+    silu_and_mul: W is gate_up, and `gemm(x)` ends in silu(gate) * up (the loop applies it to
     its sums; after F.linear it is a pass of its own)."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None,
@@ -226,20 +222,19 @@ class AmxGemm(Gemm):
         self.loop_rows = amx_loop_rows(*weight.shape, silu_and_mul) if loop_rows is None else loop_rows
         self.nbytes = weight.numel() * weight.element_size()   # the weight it holds (no copy)
 
-    def _loop(self, x: Tensor, norm, residual, silu: bool) -> Optional[Tensor]:
+    def _loop(self, x: Tensor, silu: bool) -> Optional[Tensor]:
         """The AMX loop's product, or None above its rows (or out of memory for its buffers)."""
         if x.numel() > self.loop_rows * x.shape[-1]:
             return None
-        return cpu_kernels.gemm_amx(x, self.weight, self.bias_f32, norm, residual, silu)
+        return cpu_kernels.gemm_amx(x, self.weight, self.bias_f32, silu_and_mul=silu)
 
     def product(self, x: Tensor) -> Tensor:
-        y = self._loop(x, None, None, False)
+        y = self._loop(x, False)
         return F.linear(x, self.weight, self.bias) if y is None else y
 
-    def __call__(self, x: Tensor, norm: Optional[RMSNorm] = None,
-                 residual: Optional[Tensor] = None) -> Tensor:
-        y = self._loop(x, norm, residual, self.silu_and_mul)
-        return super().__call__(x, norm, residual) if y is None else y
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self._loop(x, self.silu_and_mul)
+        return super().__call__(x) if y is None else y
 
 
 def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False,

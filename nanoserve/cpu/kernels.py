@@ -9,7 +9,7 @@ reference it replaces (layers.py, paged_attention.py):
                          a flash-attention loop with the query tokens in the vector lanes; on a
                          CPU with AMX (bf16), its two products in AMX tiles.
     rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings (gemm.c
-                         runs the same row loop on the rows it multiplies: the fused step's norm).
+                         runs the same row loop on the rows it multiplies: graphs.py folds the norm in).
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
     silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads.
     argmax.c             each row's argmax (greedy sampling), float32 or bf16 logits, vectorised,
@@ -54,6 +54,9 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.c", "prefill_attention.c", "rms_norm.c", "rope.c",
                                      "silu_and_mul.c", "argmax.c", "gemm.c")]
 HEADER = CSRC / "cpu_kernels.h"
+# The kernels a model step calls (graphs.py records these while it captures a step).
+STEP_KERNELS = ("decode_attention", "prefill_attention", "rms_norm", "rope_store_kv", "silu_and_mul",
+                "gemm", "gemm_int8", "gemm_amx")
 FLAGS = ["-O3", f"-march={os.environ.get('NANOSERVE_CPU_MARCH', 'native')}", "-fopenmp", "-fPIC", "-Werror",
          # Vectorised dot products (float sums reassociated) and expf (glibc's vector libmvec).
          "-ffast-math"]

@@ -58,8 +58,12 @@ def fused_rows(q: Tensor, k: Tensor, v: Tensor) -> Optional[Tensor]:
 
 
 def rope_store_kv(op: RopeStoreKV, rope, q: Tensor, k: Tensor, v: Tensor, kv_cache, slot_mapping):
-    """RopeStoreKV.forward: rope.c reads the fused qkv rows, rotates q and k, stores k and v."""
+    """RopeStoreKV.forward: rope.c reads the fused qkv rows, rotates q and k, stores k and v. Where
+    q and k are not qkv's own columns (Qwen3 normalised them), their rows are put side by side
+    first: one copy, and the step stays C calls (and capturable: graphs.py)."""
     qkv = fused_rows(q, k, v)
+    if qkv is None and q.dtype == k.dtype == v.dtype:
+        qkv = torch.cat([t.reshape(t.shape[0], -1) for t in (q, k, v)], dim=1)
     out = None if qkv is None else cpu_kernels.rope_store_kv(qkv, rope, slot_mapping, *kv_cache,
                                                              q.shape[1])
     return op.forward_native(rope, q, k, v, kv_cache, slot_mapping) if out is None else out
@@ -85,6 +89,17 @@ class RequestGroup(NamedTuple):
                             (*(a.data_ptr() for a in arrays), len(rows), arrays[2].shape[1]))
 
     @staticmethod
+    def every(md: AttentionMetadata) -> "RequestGroup":
+        """All of a decode-only step's requests, read where they are (the runner's int32 step
+        inputs, no copy where they are contiguous) and without reading a value: a captured step
+        (graphs.py) replays the same addresses. Padded rows (seq_len 0) are attended to nothing."""
+        qsl = md.query_start_loc.to(torch.int32)
+        arrays = (qsl[:-1], qsl[1:] - qsl[:-1], md.block_tables.to(torch.int32).contiguous(),
+                  md.seq_lens.to(torch.int32).contiguous())
+        return RequestGroup(list(range(md.num_reqs)), *arrays,
+                            (*(a.data_ptr() for a in arrays), md.num_reqs, arrays[2].shape[1]))
+
+    @staticmethod
     def per_token(md: AttentionMetadata, selected: list[bool]) -> "RequestGroup":
         """Each query token of the selected requests as a decode of its own, seeing the keys up
         to its own position: a request verifying 2 drafts with seq_len 10 (rows 4-6) ->
@@ -101,6 +116,12 @@ class RequestGroup(NamedTuple):
                             (*(a.data_ptr() for a in arrays), len(tokens), arrays[2].shape[1]))
 
 
+# A step's empty group (a decode-only step has no other requests): built once, nothing to read.
+NO_REQUESTS = RequestGroup([], *(torch.zeros(0, dtype=torch.int32) for _ in range(2)),
+                           torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+                           (0, 0, 0, 0, 0, 1))
+
+
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
     decodes: Optional[RequestGroup] = None   # query_len <= max_decode_query_len: decode_attention.c
@@ -113,9 +134,12 @@ class CpuAttentionMetadata(AttentionMetadata):
         token against the keys up to its own position (causal), in decode_attention.c."""
         if isinstance(md, CpuAttentionMetadata):
             return md
-        query_len = md.query_start_loc[1:] - md.query_start_loc[:-1]
         common = {f.name: getattr(md, f.name) for f in dataclasses.fields(AttentionMetadata)}
-        if max_decode_query_len == 1 or md.max_query_len == 1:
+        if md.max_query_len == 1:
+            return CpuAttentionMetadata(**common, decodes=RequestGroup.every(md),
+                                        others=NO_REQUESTS)
+        query_len = md.query_start_loc[1:] - md.query_start_loc[:-1]
+        if max_decode_query_len == 1:
             return CpuAttentionMetadata(**common, decodes=RequestGroup.of(md, query_len == 1),
                                         others=RequestGroup.of(md, query_len > 1))
         short = query_len <= max_decode_query_len

@@ -1,7 +1,7 @@
 """backend.py: the CUDA backend: the Triton kernels (paged_attention_triton.py) for storing K/V and
 for attention over the paged cache, and fp8 products on torch._scaled_mm where the GPU has them
 (quantized.py); every other op keeps its torch form (cuBLAS products, torch's own CUDA kernels for
-the norms, RoPE and silu). Decode-only steps replay CUDA graphs of the model (graphs.py).
+the norms, RoPE and silu). Decode-only steps replay CUDA graphs of the model (graphs.py, graph_capture.py).
 
     pytest -q tests/test_paged_attention_triton.py     # the kernels == the torch reference
 """
@@ -14,10 +14,11 @@ import torch
 from torch import Tensor
 
 from nanoserve.config import Config
-from nanoserve.cuda.graphs import CUDAGraphWrapper
+from nanoserve.cuda.graphs import CUDAGraph
 from nanoserve.cuda.paged_attention_triton import (compile_kernels, paged_attention_triton,
                                                    store_kv_triton)
 from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
+from nanoserve.graph_capture import GraphWrapper
 from nanoserve.layers import Attention, Backend, Linear, RopeStoreKV, apply_rope, gemm_label
 
 
@@ -38,7 +39,7 @@ def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
     that no step of serving stalls on a compile nor a graph capture meets one; fp8 Linears on
     torch._scaled_mm where the GPU multiplies fp8 (quantized.py); the forward wrapped for CUDA
     graphs of decode steps (graphs.py), which the runner captures once its KV cache exists: at
-    one rank only (graphs.py: why not under tensor parallel)."""
+    one rank only (graph_capture.py: why not under tensor parallel)."""
     attn, weight = model.model.layers[0].self_attn, model.model.embed_tokens.weight
     compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size,
                     weight.dtype, weight.device)
@@ -54,6 +55,6 @@ def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
     sizes = config.cudagraph_capture_sizes if config.tensor_parallel_size == 1 else []
     if not sizes:
         return Backend("cuda", model, gemm_paths=gemm_paths)
-    graphs = CUDAGraphWrapper(model, sizes)
+    graphs = GraphWrapper(model, sizes, CUDAGraph)
     return Backend("cuda", graphs, gemm_paths=gemm_paths, cudagraph_capture_sizes=sizes,
                    capture=graphs.capture)
