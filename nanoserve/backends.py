@@ -1,7 +1,7 @@
 """backends.py: the seam's registry. Which form each op of the model takes (layers.py), chosen once
 at load for the device, and never per call:
 
-    cuda   cuda/backend.py: the Triton paged-attention kernels; cuBLAS products (F.linear);
+    cuda   cuda/backend.py: Triton kernels for every op but the products (cuBLAS, F.linear);
            decode steps replayed as CUDA graphs (cuda/graphs.py)
     cpu    cpu/backend.py: the C kernels, each product on the path timed fastest on this CPU, and
            the fused step; where the C kernels cannot be built, the torch reference

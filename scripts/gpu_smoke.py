@@ -8,6 +8,7 @@ Sections, in order; each runs even when one before it failed (a failure prints i
 
   warm-up          compile_kernels' time, and no compile left for serving steps after it
   kernels          compiled store_kv + attention == the torch reference at real head shapes, fp32, bf16
+  triton ops       norm, RoPE + store, silu·mul, fp8 activations, split-K decode == their references
   LLM float32      LLM(device='cuda') start-up time and KV pool; its greedy == CPU greedy, token for token
   LLM bfloat16     bf16 greedy vs float32 greedy: the fraction of tokens that agree
   fp8 products     torch._scaled_mm == dequantize-then-F.linear, 1-300 rows; its time against bf16's
@@ -27,6 +28,7 @@ device here.
 """
 
 import functools
+import itertools
 import os
 import signal
 import subprocess
@@ -99,21 +101,27 @@ def kernel_tests() -> str:
 
 def compiled_kernels() -> int:
     """Kernels Triton compiled so far in this process (its per-device cache)."""
+    from nanoserve.cuda import decode_attention_triton as dat
+    from nanoserve.cuda import norm_rope_triton as nr
     from nanoserve.cuda import paged_attention_triton as pat
     return sum(len(k.device_caches[torch.cuda.current_device()][0])
-               for k in (pat._store_kv_kernel, pat._unified_attention_kernel))
+               for k in (nr._rope_store_kv_kernel, pat._unified_attention_kernel,
+                         dat._split_kv_decode_kernel, dat._reduce_segments_kernel))
 
 
 def warm_up() -> str:
-    from nanoserve.cuda.paged_attention_triton import compile_kernels
+    from nanoserve.cuda.backend import attention, compile_kernels
     start = time.perf_counter()
     compile_kernels(28, 4, 128, 16, torch.bfloat16, torch.device("cuda"))  # Qwen2.5-7B's heads
     took, compiled = time.perf_counter() - start, compiled_kernels()
-    # Decodes, then mixed steps, with block tables 1, 16 and neither wide (the longest table's blocks).
+    # Decodes (split-K, then 40 x 4 kv heads: unified), then mixed steps, with block tables 1, 16
+    # and neither wide (the longest table's blocks).
     for query_lens, seq_lens in (([1], [3]), ([1] * 3, [16 * 16] * 3), ([1, 1], [20, 700]),
-                                 ([3], [3]), ([5, 1], [256, 9]), ([64, 1, 1], [64, 17, 513])):
-        attention_error(random_step(query_lens, seq_lens, 28, 4, 128, torch.bfloat16), 128**-0.5)
-    print(f"compile_kernels: {took:.1f} s, {compiled} kernels; after 6 varied steps: {compiled_kernels()}")
+                                 ([1] * 40, [20] * 40), ([3], [3]), ([5, 1], [256, 9]),
+                                 ([64, 1, 1], [64, 17, 513])):
+        query, *caches, md = random_step(query_lens, seq_lens, 28, 4, 128, torch.bfloat16)
+        attention(SimpleNamespace(scale=128**-0.5), query, caches, md)
+    print(f"compile_kernels: {took:.1f} s, {compiled} kernels; after 7 varied steps: {compiled_kernels()}")
     assert compiled_kernels() == compiled, "a serving step compiled a kernel that the warm-up did not"
     return f"{took:.1f} s, {compiled} kernels"
 
@@ -129,6 +137,48 @@ def kernels() -> str:
                 assert err <= TOL[dtype], f"{dtype} head_dim {head_dim} group {group}: error {err}"
                 worst[dtype] = max(worst.get(dtype, 0.0), err)
     return ", ".join(f"{str(k).removeprefix('torch.')} max err {v:.1e}" for k, v in worst.items())
+
+
+def triton_ops() -> str:
+    """Each Triton op of the CUDA backend == its forward_native (layers.py) at SmolLM2-135M's and
+    Llama-3-8B's shapes, float32 and bf16, 1 and 300 tokens; split-K decode == the unified kernel
+    at batch 1..8; fp8 activations == the torch quantization (quantized.py), value for value."""
+    from nanoserve.cuda import activation_triton as act
+    from nanoserve.cuda import norm_rope_triton as nr
+    from nanoserve.cuda.decode_attention_triton import split_kv_decode_attention
+    from nanoserve.cuda.paged_attention_triton import paged_attention_triton
+    from nanoserve.cuda.quantized import per_token_quant_fp8_torch
+    from nanoserve.layers import RMSNorm, RopeStoreKV, SiluAndMul
+    g, worst = torch.Generator(device="cuda").manual_seed(4), {}
+    randn = functools.partial(torch.randn, generator=g, device="cuda")
+    for (hidden, inter, hq, hkv, d), dtype, n in itertools.product(
+            ((576, 1536, 9, 3, 64), (4096, 14336, 32, 8, 128)), (torch.float32, torch.bfloat16), (1, 300)):
+        norm = RMSNorm(hidden, 1e-5).cuda().to(dtype)
+        norm.weight.data = randn(hidden).to(dtype)
+        x, res = randn(n, hidden).to(dtype), randn(n, hidden).to(dtype)
+        qkv, angles = randn(n, hq + 2 * hkv, d).to(dtype), randn(n, 1, d // 2)
+        q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+        rope, slots = (angles.cos().to(dtype), angles.sin().to(dtype)), torch.randperm(n * 2, device="cuda")[:n]
+        ours, ref = (torch.zeros(2, n * 2 // 16 + 1, 16, hkv, d, dtype=dtype, device="cuda") for _ in range(2))
+        pairs = {"rms_norm": (nr.rms_norm_triton(norm.weight, 1e-5, x, res.clone())[0], norm.forward_native(x, res.clone())[0]),
+                 "rope_store_kv": (nr.rope_store_kv_triton(*rope, q, k, v, *ours, slots),
+                                   RopeStoreKV().forward_native(rope, q, k, v, tuple(ref), slots)),
+                 "kv cache": (ours, ref),
+                 "silu_and_mul": (act.silu_and_mul_triton(gate_up := randn(n, 2 * inter).to(dtype)),
+                                  SiluAndMul().forward_native(gate_up))}
+        for name, (a, b) in pairs.items():
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            worst[name] = max(worst.get(name, 0.0), err)
+            assert err <= TOL[dtype], f"{name} {dtype} hidden {hidden}, {n} tokens: error {err}"
+        rows = randn(n, inter).bfloat16()
+        assert all(map(torch.equal, act.per_token_quant_fp8_triton(rows), per_token_quant_fp8_torch(rows))), "fp8"
+    for batch in (1, 2, 8):
+        step = random_step([1] * batch, [1 + 97 * i for i in range(batch)], 32, 8, 128, torch.bfloat16)
+        err = (split_kv_decode_attention(*step, 128**-0.5).float() - paged_attention_triton(*step, 128**-0.5).float()).abs().max().item()
+        worst["split-K"] = max(worst.get("split-K", 0.0), err)
+        assert err <= TOL[torch.bfloat16], f"split-K batch {batch}: error {err}"
+    print("\n".join(f"{name:14} max error / max |ref| {err:.1e}" for name, err in worst.items()))
+    return ", ".join(f"{name} {err:.0e}" for name, err in worst.items()) + "; fp8 equal"
 
 
 def past_int32() -> str:
@@ -359,7 +409,8 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, compute capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB; "
           f"torch {torch.__version__}, triton {triton.__version__}")
-    sections = [("warm-up", warm_up, 60), ("kernels", kernels, 120), ("LLM float32", llm_float32, 150),
+    sections = [("warm-up", warm_up, 60), ("kernels", kernels, 120), ("triton ops", triton_ops, 60),
+                ("LLM float32", llm_float32, 150),
                 ("LLM bfloat16", llm_bfloat16, 60), ("fp8 products", fp8_products, 60),
                 ("quantized model", quantized_model, 90), ("speculation", speculation, 90),
                 ("seeded sampling", seeded_sampling, 60), ("throughput", throughput, 150),

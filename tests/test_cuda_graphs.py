@@ -25,7 +25,7 @@ from nanoserve import LLM  # noqa: E402
 from nanoserve.config import Config  # noqa: E402
 from nanoserve.cpu import kernels as cpu_kernels  # noqa: E402
 from nanoserve.graph_capture import GraphWrapper  # noqa: E402
-from nanoserve.layers import Attention, RopeStoreKV  # noqa: E402
+from nanoserve.layers import Attention, RMSNorm, RopeStoreKV, SiluAndMul  # noqa: E402
 from nanoserve.models import get_model_class  # noqa: E402
 from nanoserve.step_inputs import PAD_SLOT_ID, StepInputs, padded_batch_size  # noqa: E402
 
@@ -120,16 +120,25 @@ def test_inputs_keep_their_addresses_and_pad_inert():
 
 
 def triton_forms(model):
-    """The CUDA backend's store and attention (cuda/backend.py) on `model`, interpreted on CPU."""
+    """The CUDA backend's Triton forms (cuda/backend.py: norms, RoPE + store, silu·mul, attention,
+    split-K at these batch sizes) on `model`, interpreted on CPU."""
     from triton.runtime.interpreter import InterpretedFunction
 
+    import nanoserve.cuda.activation_triton as act
     import nanoserve.cuda.backend as cuda_backend
+    import nanoserve.cuda.decode_attention_triton as dat
+    import nanoserve.cuda.norm_rope_triton as nr
     import nanoserve.cuda.paged_attention_triton as pat
     if not isinstance(pat._store_kv_kernel, InterpretedFunction):   # imported compiled before us
-        importlib.reload(pat)
+        for module in (pat, dat, nr, act):
+            importlib.reload(module)
         cuda_backend = importlib.reload(cuda_backend)
     for module in model.modules():
-        if isinstance(module, RopeStoreKV):
+        if isinstance(module, RMSNorm):
+            module.impl = functools.partial(cuda_backend.rms_norm, module)
+        elif isinstance(module, SiluAndMul):
+            module.impl = cuda_backend.silu_and_mul_triton
+        elif isinstance(module, RopeStoreKV):
             module.impl = cuda_backend.rope_store_kv
         elif isinstance(module, Attention):
             module.impl = functools.partial(cuda_backend.attention, module)

@@ -5,15 +5,18 @@
   - cuda_device_for_rank: which GPU each tensor-parallel rank takes, and too few GPUs;
   - the memory profile that sizes the KV pool, on CPU with a stub for the device's figures: its
     step within the model's positions, the budget from the device's used memory, the cap;
-  - the Triton kernels compile for real GPUs (sm_90 in bf16 and float32, sm_75 in float16), with
-    the constexprs and warps paged_attention_triton picks, for every launch compile_kernels makes
-    (the interpreter cannot see what only the compiler rejects).
+  - the Triton kernels compile for real GPUs (sm_90 in bf16 and float32, sm_75 in float16) down
+    to a cubin (ptxas), with the constexprs and warps their launchers pick, for every launch
+    cuda/backend.compile_kernels makes: RoPE + store, unified and split-K attention (the
+    interpreter cannot see what only the compiler rejects; test_triton_ops.py: the row kernels).
 
     pytest -q tests/test_gpu_path.py
 
 scripts/gpu_smoke.py runs what only a GPU can show (the kernels' numbers, LLM on CUDA == CPU).
 """
 
+import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -156,7 +159,7 @@ def test_pool_from_a_huge_gpu_is_capped_as_the_calculator_caps_it(profiled, monk
 # -------------------------------------------------------------------------- the kernels compile
 
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                torch.int32: "i32", torch.int64: "i64"}
+                torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 def compile_launch(kernel, args, kwargs, capability):
@@ -186,11 +189,11 @@ COMPILE_CASES = [  # (compute capability, dtype, num_heads, num_kv_heads, head_d
 ]
 
 
-def compile_every_launch() -> None:
-    """For each case, record the launches compile_kernels makes (instead of running them) and
-    compile each for that GPU. Needs TRITON_INTERPRET=0 from the start of its process."""
-    from nanoserve.cuda import paged_attention_triton as pat
-    launches = []
+@contextlib.contextmanager
+def record_launches(*modules):
+    """Within it, each Triton kernel (`_*_kernel`) of `modules` records its launches, (kernel,
+    args, kwargs), instead of running; they are back on leaving (a compile reads them)."""
+    launches, saved = [], {}
 
     class Recorder:
         def __init__(self, kernel):
@@ -198,12 +201,28 @@ def compile_every_launch() -> None:
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-    for name in ("_store_kv_kernel", "_unified_attention_kernel"):
-        setattr(pat, name, Recorder(getattr(pat, name)))
+    for module in modules:
+        for name in [n for n in vars(module) if n.startswith("_") and n.endswith("_kernel")]:
+            saved[module, name] = getattr(module, name)
+            setattr(module, name, Recorder(saved[module, name]))
+    try:
+        yield launches
+    finally:
+        for (module, name), kernel in saved.items():
+            setattr(module, name, kernel)
+
+
+def compile_every_launch() -> None:
+    """For each case, record the launches compile_kernels makes (instead of running them) and
+    compile each for that GPU. Needs TRITON_INTERPRET=0 from the start of its process."""
+    from nanoserve.cuda import backend, decode_attention_triton, norm_rope_triton
+    from nanoserve.cuda import paged_attention_triton as pat
     for capability, dtype, num_heads, num_kv_heads, head_dim in COMPILE_CASES:
-        launches.clear()
-        pat.compile_kernels(num_heads, num_kv_heads, head_dim, 16, dtype, torch.device("cpu"))
-        assert {k.fn.__name__ for k, *_ in launches} == {"_store_kv_kernel", "_unified_attention_kernel"}
+        with record_launches(pat, decode_attention_triton, norm_rope_triton) as launches:
+            backend.compile_kernels(num_heads, num_kv_heads, head_dim, 16, dtype, torch.device("cpu"))
+        assert {k.fn.__name__ for k, *_ in launches} == {
+            "_rope_store_kv_kernel", "_unified_attention_kernel", "_split_kv_decode_kernel",
+            "_reduce_segments_kernel"}
         # The block-table widths differ only in a value, which this signature does not specialise on.
         distinct = {(k.fn.__name__, tuple(sorted(kw.items()))): (k, a, kw) for k, a, kw in launches}
         for kernel, args, kwargs in distinct.values():
@@ -211,11 +230,35 @@ def compile_every_launch() -> None:
         print(f"sm_{capability} {dtype}: {len(distinct)} kernels compiled")
 
 
-def test_kernels_compile_for_gpus():
+def compile_row_kernels() -> None:
+    """The row kernels (norm_rope_triton.py, activation_triton.py) launched at SmolLM2-135M's
+    shapes in bf16 (and Qwen3's per-head norm on qkv views), each compiled for sm_90 to a cubin.
+    Needs TRITON_INTERPRET=0 from the start of its process."""
+    from nanoserve.cuda import activation_triton as act
+    from nanoserve.cuda import norm_rope_triton as nr
+    zeros = functools.partial(torch.zeros, dtype=torch.bfloat16)
+    with record_launches(nr, act) as launches:
+        hidden, qkv = zeros(2, 576), zeros(2, 9 + 2 * 3, 64)
+        nr.rms_norm_triton(hidden[0], 1e-5, hidden)
+        nr.rms_norm_triton(hidden[0], 1e-5, hidden, hidden.clone())
+        nr.rms_norm_triton(qkv[0, 0], 1e-6, qkv[:, :9])
+        act.silu_and_mul_triton(zeros(2, 2 * 1536))
+        act.per_token_quant_fp8_triton(zeros(2, 1536))
+    assert len(launches) == 5
+    for kernel, args, kwargs in launches:
+        compiled = compile_launch(kernel, args, kwargs, 90)
+        assert compiled.asm["cubin"], kernel.fn.__name__
+        # x / scale rounded as torch rounds it (IEEE division), not div.full's approximation.
+        assert kernel.fn.__name__ != "_per_token_quant_fp8_kernel" or "div.rn.f32" in compiled.asm["ptx"]
+    print(f"sm_90: {len(launches)} row kernels compiled")
+
+
+@pytest.mark.parametrize("compile_all", ["compile_every_launch", "compile_row_kernels"])
+def test_kernels_compile_for_gpus(compile_all):
     # In a fresh process: once the interpreter has run in a process (test_paged_attention_triton.py),
     # triton.language stays patched for it there and compiling fails.
     pytest.importorskip("triton")
-    child = subprocess.run([sys.executable, "-c", f"import {__name__} as t; t.compile_every_launch()"],
+    child = subprocess.run([sys.executable, "-c", f"import {__name__} as t; t.{compile_all}()"],
                            cwd=os.path.dirname(__file__), env={**os.environ, "TRITON_INTERPRET": "0"},
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-4000:]

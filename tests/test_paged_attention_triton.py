@@ -15,11 +15,13 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before triton is imported
 
+import functools
 import importlib
 import math
 import subprocess
 import sys
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +30,8 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+import nanoserve.cuda.backend as cuda_backend  # noqa: E402
+import nanoserve.cuda.decode_attention_triton as dat  # noqa: E402
 import nanoserve.cuda.paged_attention_triton as pat  # noqa: E402
 from nanoserve.paged_attention import paged_attention_torch, store_kv_torch  # noqa: E402
 
@@ -39,6 +43,8 @@ if not INTERPRET and not torch.cuda.is_available():
 # first in the other mode, re-import it in ours.
 if isinstance(pat._store_kv_kernel, InterpretedFunction) != INTERPRET:
     pat = importlib.reload(pat)
+    dat = importlib.reload(dat)
+    cuda_backend = importlib.reload(cuda_backend)
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -259,21 +265,65 @@ def test_offsets_past_int32():
 
 def test_compile_kernels_runs_every_variant():
     for head_dim, group in ((64, 1), (80, 8)):
-        pat.compile_kernels(2 * group, 2, head_dim, 16, torch.float32, torch.device(DEVICE))
+        cuda_backend.compile_kernels(2 * group, 2, head_dim, 16, torch.float32, torch.device(DEVICE))
     with pytest.raises(ValueError, match="num_kv_heads"):
-        pat.compile_kernels(6, 4, 64, 16, torch.float32, torch.device(DEVICE))
+        cuda_backend.compile_kernels(6, 4, 64, 16, torch.float32, torch.device(DEVICE))
     with pytest.raises(ValueError, match="block_size"):
-        pat.compile_kernels(4, 2, 64, 0, torch.float32, torch.device(DEVICE))
+        cuda_backend.compile_kernels(4, 2, 64, 0, torch.float32, torch.device(DEVICE))
 
 
 @pytest.mark.skipif(INTERPRET, reason="compiles happen on GPUs only")
 def test_compile_kernels_leaves_no_compile_to_serving():
-    pat.compile_kernels(8, 2, 128, 16, torch.bfloat16, torch.device(DEVICE))
-    compiled = sum(len(k.device_caches[torch.cuda.current_device()][0])
-                   for k in (pat._store_kv_kernel, pat._unified_attention_kernel))
-    # make_batch's tables are one block wider than the longest sequence: 2, 16, 4 and 22 wide here.
-    for query_lens, seq_lens in (([1], [5]), ([1, 1], [20, 240]), ([3, 1], [40, 17]), ([9], [9 + 16 * 20])):
+    cuda_backend.compile_kernels(8, 2, 128, 16, torch.bfloat16, torch.device(DEVICE))
+    kernels = (pat._unified_attention_kernel, dat._split_kv_decode_kernel, dat._reduce_segments_kernel)
+    compiled = sum(len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels)
+    # make_batch's tables are one block wider than the longest sequence: 2, 16, 4 and 22 wide here;
+    # decodes of 1 and 2 requests run split-K, of 64 (x 2 kv heads) the unified kernel.
+    for query_lens, seq_lens in (([1], [5]), ([1, 1], [20, 240]), ([3, 1], [40, 17]), ([9], [9 + 16 * 20]),
+                                 ([1] * 64, [20] * 63 + [240])):
         query, k_cache, v_cache, md, *_ = make_batch(query_lens, seq_lens, 8, 2, 128, 16, torch.bfloat16)
-        pat.paged_attention_triton(query, k_cache, v_cache, md, 0.1)
-    assert compiled == sum(len(k.device_caches[torch.cuda.current_device()][0])
-                           for k in (pat._store_kv_kernel, pat._unified_attention_kernel))
+        cuda_backend.attention(SimpleNamespace(scale=0.1), query, (k_cache, v_cache), md)
+    assert compiled == sum(len(k.device_caches[torch.cuda.current_device()][0]) for k in kernels)
+
+
+# ----------------------------------------------------------------------------------------------------
+# split-K decode (decode_attention_triton.py): steps with few (request, kv head) programs
+
+SPLIT_KV = {  # name: (seq_lens, num_q_heads, num_kv_heads, head_dim, block_size); one token a request
+    "shorter_than_a_segment": ([1, 5, 31], 2, 2, 32, 16),  # 15 of 16 segments empty
+    "segments_of_two_tiles": ([600, 33], 8, 2, 64, 16),  # 600 > 16 x 32: 64 keys a segment
+    "gqa_group_3_block_8": ([70, 2], 6, 2, 48, 8),  # q-head rows padded to 16, head_dim lanes masked
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_KV)
+def test_split_kv_decode_matches_torch_reference(case):
+    seq_lens, hq, hkv, d, bs = SPLIT_KV[case]
+    query, k_cache, v_cache, md, *_ = make_batch([1] * len(seq_lens), seq_lens, hq, hkv, d, bs,
+                                                 torch.float32, seed=len(case))
+    out = dat.split_kv_decode_attention(query, k_cache, v_cache, md, d**-0.5)
+    expected = paged_attention_torch(query, k_cache, v_cache, md, d**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_split_kv_decode_skips_padded_rows():
+    """A decode of 2 requests padded to 4 as a captured graph runs it (step_inputs.py): rows 2, 3
+    have seq_len 0 and no query token (NaN queries: never read); the real rows are as unpadded."""
+    query, k_cache, v_cache, md, *_ = make_batch([1, 1], [40, 3], 4, 2, 32, 16, torch.float32)
+    expected = dat.split_kv_decode_attention(query, k_cache, v_cache, md, 0.2)
+    ints = functools.partial(torch.tensor, dtype=torch.int32, device=DEVICE)
+    padded = Metadata(torch.cat([md.slot_mapping, torch.full((2,), -1, device=DEVICE)]),
+                      torch.cat([md.block_tables, torch.zeros_like(md.block_tables)]),
+                      ints(md.seq_lens.tolist() + [0, 0]), ints([0, 1, 2, 2, 2]), 1)
+    rows = torch.cat([query, torch.full_like(query, float("nan"))])
+    out = dat.split_kv_decode_attention(rows, k_cache, v_cache, padded, 0.2)
+    torch.testing.assert_close(out[:2], expected, atol=0, rtol=0)
+
+
+def test_uses_split_kv_from_shapes_only():
+    assert dat.uses_split_kv(1, 1, 3)  # batch 1 on SmolLM2-135M: 3 programs unsplit
+    assert dat.uses_split_kv(1, 42, 3) and not dat.uses_split_kv(1, 43, 3)  # 126 and 129 programs
+    assert not dat.uses_split_kv(2, 1, 3)  # a prefill or mixed step: the unified kernel
+    with pytest.raises(ValueError, match="max_query_len"):
+        query, k_cache, v_cache, md, *_ = make_batch([2], [5], 2, 2, 16, 4, torch.float32)
+        dat.split_kv_decode_attention(query, k_cache, v_cache, md, 1.0)

@@ -1,60 +1,135 @@
-"""backend.py: the CUDA backend: the Triton kernels (paged_attention_triton.py) for storing K/V and
-for attention over the paged cache, and fp8 products on torch._scaled_mm where the GPU has them
-(quantized.py); every other op keeps its torch form (cuBLAS products, torch's own CUDA kernels for
-the norms, RoPE and silu). Decode-only steps replay CUDA graphs of the model (graphs.py, graph_capture.py).
+"""backend.py: the CUDA backend: the ops of layers.py as Triton kernels, each one launch: RMSNorm
+with its residual add, RoPE with the K/V store (norm_rope_triton.py), silu·mul
+(activation_triton.py) and attention over the paged cache (paged_attention_triton.py's unified
+kernel, or decode_attention_triton.py's split-K for a decode step of few requests); the products
+on cuBLAS, fp8 ones on torch._scaled_mm where the GPU has them, their activations quantized by one
+kernel (quantized.py). Decode-only steps replay CUDA graphs of the model (graphs.py,
+graph_capture.py).
 
-    pytest -q tests/test_paged_attention_triton.py     # the kernels == the torch reference
+    TRITON_INTERPRET=1 pytest -q tests/test_triton_ops.py tests/test_paged_attention_triton.py
 """
 
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
 
 from nanoserve.config import Config
+from nanoserve.cuda.activation_triton import per_token_quant_fp8_triton, silu_and_mul_triton
+from nanoserve.cuda.decode_attention_triton import split_kv_decode_attention, uses_split_kv
 from nanoserve.cuda.graphs import CUDAGraph
-from nanoserve.cuda.paged_attention_triton import (compile_kernels, paged_attention_triton,
-                                                   store_kv_triton)
+from nanoserve.cuda.norm_rope_triton import rms_norm_triton, rope_store_kv_triton
+from nanoserve.cuda.paged_attention_triton import paged_attention_triton
 from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
 from nanoserve.graph_capture import GraphWrapper
-from nanoserve.layers import Attention, Backend, Linear, RopeStoreKV, apply_rope, gemm_label
+from nanoserve.layers import (Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul,
+                              gemm_label)
+
+
+def rms_norm(op: RMSNorm, x: Tensor, residual: Tensor | None = None):
+    """RMSNorm.forward: the residual add and the norm in one launch."""
+    return rms_norm_triton(op.weight, op.eps, x, residual)
 
 
 def rope_store_kv(rope, q: Tensor, k: Tensor, v: Tensor, kv_cache, slot_mapping: Tensor) -> Tensor:
-    """RopeStoreKV.forward: torch's RoPE, one Triton launch to store k and v."""
-    cos, sin = rope
-    store_kv_triton(apply_rope(k, cos, sin), v, *kv_cache, slot_mapping)
-    return apply_rope(q, cos, sin)
+    """RopeStoreKV.forward: one launch rotates q and k and stores the rotated k and v."""
+    return rope_store_kv_triton(*rope, q, k, v, *kv_cache, slot_mapping)
 
 
 def attention(op: Attention, q: Tensor, kv_cache, attn_metadata) -> Tensor:
-    """Attention.forward: one Triton launch for the whole mixed batch."""
-    return paged_attention_triton(q, *kv_cache, attn_metadata, op.scale)
+    """Attention.forward: split-K when a decode step has too few (request, kv head) programs to
+    fill the GPU, else one unified launch for the whole mixed batch. Decided from shapes only,
+    so a captured graph replays the same kernels."""
+    md = attn_metadata
+    if uses_split_kv(md.max_query_len, md.seq_lens.shape[0], kv_cache[0].shape[2]):
+        return split_kv_decode_attention(q, *kv_cache, md, op.scale)
+    return paged_attention_triton(q, *kv_cache, md, op.scale)
 
 
 def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
-    """The Triton forms for `model`'s ops, every kernel variant compiled now (compile_kernels), so
-    that no step of serving stalls on a compile nor a graph capture meets one; fp8 Linears on
-    torch._scaled_mm where the GPU multiplies fp8 (quantized.py); the forward wrapped for CUDA
-    graphs of decode steps (graphs.py), which the runner captures once its KV cache exists: at
-    one rank only (graph_capture.py: why not under tensor parallel)."""
-    attn, weight = model.model.layers[0].self_attn, model.model.embed_tokens.weight
-    compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size,
-                    weight.dtype, weight.device)
-    capability = torch.cuda.get_device_capability(weight.device)
+    """The Triton forms for `model`'s ops, every kernel variant compiled now (compile_kernels,
+    compile_row_ops), so that no step of serving stalls on a compile nor a graph capture meets
+    one; fp8 Linears on torch._scaled_mm where the GPU multiplies fp8 (quantized.py); the forward
+    wrapped for CUDA graphs of decode steps (graphs.py), which the runner captures once its KV
+    cache exists: at one rank only (graph_capture.py: why not under tensor parallel)."""
+    capability = torch.cuda.get_device_capability(model.model.embed_tokens.weight.device)
+    dtype = model.model.embed_tokens.weight.dtype
     for module in model.modules():
-        if isinstance(module, Linear) and uses_scaled_mm(module, capability, weight.dtype):
-            module.impl = functools.partial(scaled_mm_linear, module)
+        if isinstance(module, Linear) and uses_scaled_mm(module, capability, dtype):
+            module.impl = functools.partial(scaled_mm_linear, module,
+                                            quantize_rows=per_token_quant_fp8_triton)
             gemm_paths[gemm_label(module, module.weight.dtype)] = "scaled_mm"
+        elif isinstance(module, RMSNorm):
+            module.impl = functools.partial(rms_norm, module)
+        elif isinstance(module, SiluAndMul):
+            module.impl = silu_and_mul_triton
         elif isinstance(module, RopeStoreKV):
             module.impl = rope_store_kv
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
+    attn = model.model.layers[0].self_attn
+    compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size, dtype,
+                    model.model.embed_tokens.weight.device)
+    compile_row_ops(model)
     sizes = config.cudagraph_capture_sizes if config.tensor_parallel_size == 1 else []
     if not sizes:
         return Backend("cuda", model, gemm_paths=gemm_paths)
     graphs = GraphWrapper(model, sizes, CUDAGraph)
     return Backend("cuda", graphs, gemm_paths=gemm_paths, cudagraph_capture_sizes=sizes,
                    capture=graphs.capture)
+
+
+def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype, device: torch.device) -> None:
+    """Run every variant of the RoPE-store and attention kernels that serving meets once, on tiny
+    inputs of the model's shapes (this rank's head counts under tensor parallel), so that Triton
+    compiles each at start-up instead of stalling a step 1-2 s. Triton compiles one kernel per
+    set of constexprs (here BLOCK_Q: a pure-decode step or not) and per integer argument that is
+    1, a multiple of 16, or neither; the one that changes between steps is the block-table row
+    stride, which is the longest table of the step; and a decode step runs split-K or unified
+    by its size (attention)."""
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("block_size", block_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer (got {value!r})")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
+    k_cache, v_cache = (zeros(2, block_size, num_kv_heads, head_dim) for _ in range(2))
+    # The model's layout: q, k and v are views of the fused qkv projection's rows.
+    q, k, v = zeros(2, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1)
+    cos = zeros(2, 1, head_dim // 2)
+    query = rope_store_kv_triton(cos, cos, q, k, v, k_cache, v_cache, torch.arange(2, device=device))
+    ints = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    for width in (1, 2, 16):  # block-table row stride: 1, neither, a multiple of 16
+        for query_len in (1, min(2, width * block_size)):  # a pure-decode step, then a mixed one
+            step = SimpleNamespace(block_tables=ints([[0] * width]), seq_lens=ints([query_len]),
+                                   query_start_loc=ints([0, query_len]), max_query_len=query_len)
+            paged_attention_triton(query[:query_len], k_cache, v_cache, step, head_dim**-0.5)
+            if query_len == 1:  # the same decode step, split-K
+                split_kv_decode_attention(query[:1], k_cache, v_cache, step, head_dim**-0.5)
+
+
+def compile_row_ops(model) -> None:
+    """Each row kernel bound to `model` once, on two zero rows of its shapes (the norms' residual
+    add or not, Qwen3's per-head norms on views of the qkv rows, each fp8 product's width): one
+    variant each, since none of their integer arguments changes between steps."""
+    layer = model.model.layers[0]
+    device, dtype = layer.input_layernorm.weight.device, model.model.embed_tokens.weight.dtype
+    zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
+    hidden = zeros(2, layer.input_layernorm.weight.shape[0])
+    layer.input_layernorm.impl(hidden)
+    layer.input_layernorm.impl(hidden, hidden.clone())
+    layer.mlp.act_fn.impl(zeros(2, layer.mlp.gate_up_proj.out_features))
+    attn = layer.self_attn
+    if attn.qk_norm:
+        qkv = zeros(2, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
+        attn.q_norm.impl(qkv[:, :attn.num_heads])
+        attn.k_norm.impl(qkv[:, attn.num_heads:attn.num_heads + attn.num_kv_heads])
+    for width in {m.in_features for m in model.modules() if isinstance(m, Linear)
+                  and isinstance(m.impl, functools.partial) and m.impl.func is scaled_mm_linear}:
+        per_token_quant_fp8_triton(zeros(2, width))

@@ -6,8 +6,9 @@ Two kernels, one launch each per layer per step:
   paged_attention_triton ONE "unified" kernel for the whole mixed batch: prefill chunks (with or without
                          a prefix already in the cache) and decode rows, read through block tables.
 
-and `compile_kernels`, which the CUDA backend (cuda/backend.py) calls once at load so that no step
-waits on a compile.
+A decode step with too few (request, kv head) programs to fill the GPU runs the split-K form of the
+same loop instead (decode_attention_triton.py); cuda/backend.py picks, and compiles every variant at
+load (compile_kernels) so that no step waits on a compile.
 
 Cache layout (per layer): k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], and
 slot = block_id * block_size + offset. Worked example with block_size 4 and block_table [7, 1, 3]:
@@ -28,8 +29,6 @@ triton), which is how tests/test_paged_attention_triton.py checks it against den
 
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -102,18 +101,19 @@ def _cache_offsets(block_id, k_pos, stride_b, stride_o, BLOCK_SIZE: tl.constexpr
 
 @triton.jit
 def _attend_over_cache(
-    q, q_pos, kv_end, req, kv_head, d, d_valid, scale,
+    q, q_pos, kv_start, kv_end, req, kv_head, d, d_valid, scale,
     k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
     stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Online softmax of the q tile's rows over keys [0, kv_end), TILE_N at a time, in fp32:
-    returns (sum of p * V, sum of p) per row."""
+    """Online softmax of the q tile's rows over keys [kv_start, kv_end), TILE_N at a time, in fp32:
+    returns (sum of p * V, sum of p, max score) per row. kv_start is 0 but in a split-K segment
+    (decode_attention_triton.py); kv_end - kv_start <= 0 leaves (0, 0, -inf)."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max of the scores
     l_i = tl.zeros([ROWS], tl.float32)  # running softmax denominator
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     n = tl.arange(0, TILE_N)
-    for tile_start in range(0, kv_end, TILE_N):
+    for tile_start in range(kv_start, kv_end, TILE_N):
         k_pos = tile_start + n
         k_valid = k_pos < kv_end
         # Each key finds its own physical block, so a tile may straddle cache blocks.
@@ -128,15 +128,15 @@ def _attend_over_cache(
         # "ieee" keeps float32 exact on GPUs (the default would round to tf32); ignored for fp16/bf16.
         s = tl.dot(q, k, input_precision="ieee") * scale
         s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :], s, float("-inf"))
-        # Key position 0 is visible to every row, so after the first tile m_new is finite and
-        # exp(-inf - finite) = 0 never produces NaN.
+        # The first key (position 0, or a segment's first) is visible to every row, so after the
+        # first tile m_new is finite and exp(-inf - finite) = 0 never produces NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)  # rescales what was accumulated under the old max
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
-    return acc, l_i
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -180,8 +180,8 @@ def _unified_attention_kernel(
 
     # Causal: query j sits at position context_len + j; the tile's last token sees keys up to its own.
     kv_end = context_len + tl.minimum(query_len, (q_tile + 1) * BLOCK_Q)
-    acc, l_i = _attend_over_cache(
-        q, context_len + q_idx, kv_end, req, kv_head, d, d_valid, scale,
+    acc, l_i, _ = _attend_over_cache(
+        q, context_len + q_idx, 0, kv_end, req, kv_head, d, d_valid, scale,
         k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_bt,
         stride_kb, stride_ko, stride_kh, stride_kd, stride_vb, stride_vo, stride_vh, stride_vd,
         BLOCK_SIZE, BLOCK_Q * G_PAD, TILE_N, BLOCK_D)
@@ -196,28 +196,9 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     The new tokens' K/V must already be in the cache (store_kv_triton). Returns [num_tokens, num_q_heads,
     head_dim] in query's dtype.
     """
-    if query.dim() != 3:
-        raise ValueError(f"query: expected [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
+    _check_attention(query, k_cache, v_cache, attn_metadata)
     num_tokens, num_q_heads, head_dim = query.shape
-    _check_cache(k_cache, v_cache, query.dtype, query.device)
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    md = attn_metadata
-    num_reqs = md.seq_lens.shape[0]
-    if md.query_start_loc.shape != (num_reqs + 1,):
-        raise ValueError(f"query_start_loc: expected shape ({num_reqs + 1},), got {tuple(md.query_start_loc.shape)}")
-    if md.block_tables.dim() != 2 or md.block_tables.shape[0] != num_reqs:
-        raise ValueError(f"block_tables: expected [{num_reqs}, max_blocks_per_req], got {tuple(md.block_tables.shape)}")
-    for name in ("block_tables", "seq_lens", "query_start_loc"):
-        t = getattr(md, name)
-        if t.dtype != torch.int32 or t.device != query.device:
-            raise ValueError(f"{name}: expected int32 on {query.device}, got {t.dtype} on {t.device}")
-        if t.stride(-1) != 1:  # the kernel indexes these with unit stride
-            raise ValueError(f"{name}: last dimension must be contiguous")
-
+    num_kv_heads, md, num_reqs = k_cache.shape[2], attn_metadata, attn_metadata.seq_lens.shape[0]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous even if query is a view
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -243,40 +224,32 @@ def paged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 # ----------------------------------------------------------------------------------------------------
-# warm-up: compile at start-up, not in the middle of serving
-
-
-def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                    dtype: torch.dtype, device: torch.device) -> None:
-    """Run every variant of both kernels that serving meets once, on tiny inputs of the model's
-    shapes (this rank's head counts under tensor parallel), so that Triton compiles each at
-    start-up instead of stalling a step 1-2 s. Triton compiles one kernel per set of constexprs
-    (here BLOCK_Q: a pure-decode step or not) and per integer argument that is 1, a multiple of
-    16, or neither; the one that changes between steps is the block-table row stride, which is the
-    longest table of the step."""
-    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                        ("head_dim", head_dim), ("block_size", block_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer (got {value!r})")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
-    k_cache, v_cache = zeros(2, block_size, num_kv_heads, head_dim), zeros(2, block_size, num_kv_heads, head_dim)
-    # The model's layout: k leaves RoPE contiguous, v is a slice of the fused qkv projection.
-    qkv = zeros(2, num_heads + 2 * num_kv_heads, head_dim)
-    store_kv_triton(zeros(2, num_kv_heads, head_dim), qkv[:, num_heads + num_kv_heads:], k_cache, v_cache,
-                    torch.arange(2, device=device))
-    query = zeros(2, num_heads, head_dim)
-    ints = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-    for width in (1, 2, 16):  # block-table row stride: 1, neither, a multiple of 16
-        for query_len in (1, min(2, width * block_size)):  # a pure-decode step, then a mixed one
-            step = SimpleNamespace(block_tables=ints([[0] * width]), seq_lens=ints([query_len]),
-                                   query_start_loc=ints([0, query_len]), max_query_len=query_len)
-            paged_attention_triton(query[:query_len], k_cache, v_cache, step, head_dim**-0.5)
-
-
-# ----------------------------------------------------------------------------------------------------
 # input checks (shapes, dtypes and devices only: no device sync on the hot path)
+
+
+def _check_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     md: AttentionMetadata) -> None:
+    """Both attention launchers' checks (this file's and decode_attention_triton.py's)."""
+    if query.dim() != 3:
+        raise ValueError(f"query: expected [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
+    _, num_q_heads, head_dim = query.shape
+    _check_cache(k_cache, v_cache, query.dtype, query.device)
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache: head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query: num_q_heads {num_q_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    num_reqs = md.seq_lens.shape[0]
+    if md.query_start_loc.shape != (num_reqs + 1,):
+        raise ValueError(f"query_start_loc: expected shape ({num_reqs + 1},), got {tuple(md.query_start_loc.shape)}")
+    if md.block_tables.dim() != 2 or md.block_tables.shape[0] != num_reqs:
+        raise ValueError(f"block_tables: expected [{num_reqs}, max_blocks_per_req], got {tuple(md.block_tables.shape)}")
+    for name in ("block_tables", "seq_lens", "query_start_loc"):
+        t = getattr(md, name)
+        if t.dtype != torch.int32 or t.device != query.device:
+            raise ValueError(f"{name}: expected int32 on {query.device}, got {t.dtype} on {t.device}")
+        if t.stride(-1) != 1:  # the kernel indexes these with unit stride
+            raise ValueError(f"{name}: last dimension must be contiguous")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
