@@ -56,6 +56,9 @@ class Config:
                                      "or 'fp8' (e4m3; torch._scaled_mm on GPUs with fp8, else "
                                      "widened to --dtype in the product). Activations keep --dtype.",
                                      QUANTIZATION_METHODS)
+    quantize_lm_head: bool = _f(False, "With --quantization: the LM head quantized too, as "
+                                "llama.cpp's quantized models have it (vLLM keeps it in --dtype: "
+                                "the default).")
     tensor_parallel_size: int = _f(1, "Split the model over this many worker processes "
                                    "(torch.distributed: NCCL, one GPU each; gloo on CPU).")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
@@ -160,6 +163,8 @@ class Config:
             if choices and value not in choices and not (value is None and f.default is None):
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)} "
                                  f"(got {getattr(self, f.name)!r})")
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs --quantization (int8 or fp8)")
         if self.speculative_config is not None:
             # Kept as a SpeculativeConfig (a dict or JSON string is parsed here, once).
             object.__setattr__(self, "speculative_config",

@@ -89,7 +89,7 @@ class ModelRunner:
         self.device = device or torch.device(resolve_device(config.device))
         self.dtype = resolve_dtype(config.dtype, self.device, self.hf_config)
         check_quantization(config.quantization, self.hf_config, self.device)
-        self.model = self._load_model(config.quantization)
+        self.model = self._load_model(config.quantization, config.quantize_lm_head)
         # Each op's form for this device, chosen once (backends.py); the model itself stays plain.
         self.backend = load_backend(self.model, config, self.device)
         self.gemm_paths = self.backend.gemm_paths
@@ -117,7 +117,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}   # request id -> its seeded generator
         self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # seconds, summed
 
-    def _load_model(self, quantization: Optional[str]) -> torch.nn.Module:
+    def _load_model(self, quantization: Optional[str], quantize_lm_head: bool) -> torch.nn.Module:
         """The model in the target dtype on the device, built with its quantization fixed, then
         filled one checkpoint tensor at a time (this rank's slice of each, quantized as read)."""
         model_class = get_model_class(self.hf_config)
@@ -125,7 +125,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)    # parameters are created in the target dtype
         try:
             with self.device:
-                model = model_class(self.hf_config, self.tp, quantization)
+                model = model_class(self.hf_config, self.tp, quantization,
+                                    lm_head_quantization=quantization if quantize_lm_head else None)
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iterate_weights(self.model_path))

@@ -5,7 +5,8 @@ weights are read: a model too big for one device in bf16 is never whole in memor
 nor in full precision. Here the same: the model is built with int8 (or fp8) Linear weights, and
 each tensor-parallel rank quantizes its slice of each checkpoint tensor as it reads it
 (models/llama.py `load_weights`), one tensor at a time. Every Linear but the LM head (kept in the
-model dtype, as vLLM does by default) and the embedding (a lookup, not a product) is quantized.
+model dtype, as vLLM does by default; `--quantize-lm-head` quantizes it too, as llama.cpp's
+quantized models have it) and the embedding (a lookup, not a product) is quantized.
 
 One symmetric scale per output channel (row of W), so that w ~ q * scale[row]:
 

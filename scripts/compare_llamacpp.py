@@ -65,7 +65,9 @@ BUILTIN_TOKENIZER = Path(nanoserve.__file__).parent / "assets" / "nanoserve-tiny
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 GGUF_TYPES = {"F32": "f32", "BF16": "bf16", "Q8_0": "q8_0"}   # row label -> converter --outtype
 NANOSERVE_ENGINES = {"float32": {"dtype": "float32"}, "bfloat16": {"dtype": "bfloat16"},
-                     "int8": {"dtype": "bfloat16", "quantization": "int8"}}
+                     "int8": {"dtype": "bfloat16", "quantization": "int8"},
+                     # llama.cpp's Q8_0 quantizes the LM head too: nanoserve's opt-in to the same
+                     "int8, int8 head": {"dtype": "bfloat16", "quantization": "int8", "quantize_lm_head": True}}
 COLUMNS = {"decode": "batch-1 decode tok/s", "prefill": "prefill 512 tok/s",
            "batch64": "64 sequences output tok/s"}
 FULL = {"decode_len": 128, "prefill_len": 512, "num_seqs": 64, "seq_prompt_len": 272,
@@ -233,8 +235,9 @@ def print_table(samples: dict, shapes: dict, args, fell_back: bool) -> None:
     from rich.table import Table
     medians = {row: {c: statistics.median(v) for c, v in cols.items()} for row, cols in samples.items()}
     caption = ("llama.cpp's Q8_0 quantizes the tied embedding / LM head too; nanoserve's int8 "
-               "(like vLLM) leaves the LM head in the model dtype (bfloat16). KV caches: F16 in "
-               "llama.cpp, the model dtype in nanoserve.")
+               "(like vLLM) leaves the LM head in the model dtype (bfloat16) unless asked "
+               "(--quantize-lm-head: 'int8, int8 head'). KV caches: F16 in llama.cpp, the model "
+               "dtype in nanoserve.")
     if fell_back:
         caption += (" The GGUF's BPE pre-tokenizer hash was unknown to the converter and mapped to "
                     "gpt-2; tokenization is in no figure (token ids in, token ids out).")
@@ -252,9 +255,10 @@ def print_table(samples: dict, shapes: dict, args, fell_back: bool) -> None:
         engine = "llama.cpp" if row in GGUF_TYPES else "nanoserve"
         table.add_row(f"{engine} {row}", *(f"{rates[c]:,.1f}" for c in COLUMNS))
     Console().print(table)
-    ratio = medians["int8"]["decode"] / medians["Q8_0"]["decode"]
-    print(f"nanoserve int8 / llama.cpp Q8_0 at batch 1: {ratio:.2f}x "
-          f"({medians['int8']['decode']:.1f} / {medians['Q8_0']['decode']:.1f} tok/s)")
+    for ours, theirs in (("bfloat16", "BF16"), ("int8", "Q8_0"), ("int8, int8 head", "Q8_0")):
+        ratio = medians[ours]["decode"] / medians[theirs]["decode"]
+        print(f"nanoserve {ours} / llama.cpp {theirs} at batch 1: {ratio:.2f}x "
+              f"({medians[ours]['decode']:.1f} / {medians[theirs]['decode']:.1f} tok/s)")
 
 
 def main() -> None:

@@ -326,3 +326,27 @@ def test_fp8_where_torch_cannot_hold_it(monkeypatch):
     monkeypatch.delattr(torch, "float8_e4m3fn")      # a torch without the dtype
     with pytest.raises(ValueError, match="quantization 'fp8': torch .* cannot hold float8_e4m3fn"):
         quantization.check_quantization("fp8", SimpleNamespace(), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_quantize_lm_head_quantizes_the_head_from_its_own_or_the_tied_weights(tmp_path, tie):
+    """--quantize-lm-head (llama.cpp's quantized output tensor, opt-in): the LM head is an int8
+    Linear, read from the checkpoint's lm_head.weight, or from the embedding it is tied to (which
+    stays in the model dtype for its lookups); its logits are those of the dequantized head."""
+    hf = build_checkpoint(tmp_path, "llama", tie=tie)
+    config = Config(model=str(tmp_path), quantization="int8", quantize_lm_head=True, num_kv_blocks=32,
+                    enforce_eager=True)
+    runner = ModelRunner(config)
+    head, embed = runner.model.lm_head, runner.model.model.embed_tokens
+    assert head.quantization == "int8" and head.weight is not embed.weight
+    assert embed.weight.dtype == torch.float32
+    source = (hf.get_input_embeddings() if tie else hf.lm_head).weight.detach()
+    q, scale = quantize(source, "int8")
+    assert torch.equal(runner.model.lm_head.weight_scale, scale)
+    hidden = torch.randn(3, source.shape[1])
+    with torch.inference_mode():
+        logits = runner.model.compute_logits(hidden)
+    expected = F.linear(hidden, dequantize(q, scale, torch.float32))
+    torch.testing.assert_close(logits.float(), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
+    with pytest.raises(ValueError, match="quantize_lm_head needs --quantization"):
+        Config(quantize_lm_head=True)

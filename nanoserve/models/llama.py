@@ -232,17 +232,21 @@ class LlamaForCausalLM(nn.Module):
     """`tp`: this rank's place in a tensor-parallel group; its modules get `shard_for_tp`'s
     shapes and `load_weights` reads only this rank's slice of each checkpoint tensor.
     `quantization` ('int8', 'fp8', quantization.py): the layers' Linears hold quantized weights,
-    which `load_weights` fills by quantizing each slice as it reads it; the LM head does not."""
+    which `load_weights` fills by quantizing each slice as it reads it; the LM head does not,
+    unless `lm_head_quantization` says so (llama.cpp's quantized models quantize it; vLLM's keep
+    it in the model dtype). A quantized head tied to the embedding is its own int8 copy of it."""
 
-    def __init__(self, hf_config, tp: TensorParallel = SINGLE, quantization: Optional[str] = None):
+    def __init__(self, hf_config, tp: TensorParallel = SINGLE, quantization: Optional[str] = None,
+                 lm_head_quantization: Optional[str] = None):
         super().__init__()
         self.config, self.tp = hf_config, tp
         self.shard_config = shard = shard_for_tp(hf_config, tp.size)
         self.vocab_range = tp.shard(hf_config.vocab_size)   # this rank's rows of the vocabulary
         self.model = LlamaModel(shard, tp, quantization)
-        self.lm_head = Linear(hf_config.hidden_size, shard.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.hidden_size, shard.vocab_size, bias=False,
+                              quantization=lm_head_quantization)
         self.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and lm_head_quantization is None:
             self.lm_head.weight = self.model.embed_tokens.weight
         # HF masks attention beyond `sliding_window` tokens back (Mistral v0.1, Qwen with
         # use_sliding_window); paged attention does not, so outputs are exact only for sequences
@@ -299,6 +303,8 @@ class LlamaForCausalLM(nn.Module):
         targets = {}
         for name, p in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
             targets[name] = (p, every, (every,), p.shape[0])
+        if self.tie_word_embeddings:             # a quantized tied head: load_weights fills it
+            targets.pop("lm_head.weight", None)
         start, end = self.vocab_range
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
             if name in targets:
@@ -381,3 +387,7 @@ class LlamaForCausalLM(nn.Module):
             missing.discard(name)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)}")
+        if self.tie_word_embeddings and self.lm_head.quantization:   # the embedding's rows, quantized
+            q, scale = quantize(self.model.embed_tokens.weight, self.lm_head.quantization)
+            self.lm_head.weight.copy_(q)
+            self.lm_head.weight_scale.copy_(scale)
