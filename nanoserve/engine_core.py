@@ -169,13 +169,13 @@ class EngineCore:
         if self.tracer.enabled:
             self.tracer.emit("grammar_bitmask", reqs=out.structured_output_request_ids)
 
-    def _accept_tokens(self, sampled: dict[str, int]) -> dict[str, str]:
+    def _accept_tokens(self, sampled: dict[str, list[int]]) -> dict[str, str]:
         """Advance the grammars; {request id: why} for each whose grammar refused its token
         (taken out of `sampled`)."""
         start = time.perf_counter()
         refused = self.structured_output.accept_tokens(sampled)
         self.timings["grammar"] += time.perf_counter() - start
-        return {request_id: f"its grammar refused the token it sampled ({sampled.pop(request_id)})"
+        return {request_id: f"its grammar refused the token it sampled {sampled.pop(request_id)}"
                 for request_id in refused}
 
     def _fail_alone(self, out: SchedulerOutput, failed: dict[str, str]) -> None:

@@ -102,7 +102,7 @@ class MultiprocExecutor:
         return [proc.pid for proc in self.procs]
 
     def execute_model(self, scheduler_output: SchedulerOutput):
-        """Send the step to every rank; return rank 0's ({request id: token}, logprobs, failed)."""
+        """Send the step to every rank; return rank 0's ({request id: [tokens]}, logprobs, failed)."""
         if self.error:
             raise WorkerError(f"tensor-parallel workers are down: {self.error}")
         self._outbox.put(scheduler_output)

@@ -229,9 +229,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput
-                      ) -> tuple[dict[str, int], dict[str, object], dict[str, str]]:
-        """Run one step. Returns ({request id: sampled token}, {request id: TokenLogprobs},
-        {request id: why its row failed}); a failed request has no token and no logprobs (its
+                      ) -> tuple[dict[str, list[int]], dict[str, object], dict[str, str]]:
+        """Run one step. Returns ({request id: its new tokens}, {request id: TokenLogprobs},
+        {request id: why its row failed}): one token a request, or with drafts the tokens it
+        gains (vLLM's sampled_token_ids); a failed request has no tokens and no logprobs (its
         row's fault fails it alone: engine_core.py)."""
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
@@ -250,8 +251,10 @@ class ModelRunner:
         # On CUDA the forward runs asynchronously: its time lands in "sample", at the sync.
         sample_start = time.perf_counter()
         self.timings["forward"] += sample_start - forward_start
-        # One row per request, k + 1 for a request with k drafts (the positions it verifies).
-        rows = verification_rows(sampling, out.scheduled_spec_decode_tokens)
+        # One row per request; with drafts, k + 1 for a request with k (the positions it verifies).
+        spec = out.scheduled_spec_decode_tokens
+        rows = verification_rows(sampling, spec) if spec else [(r, r.output_token_ids)
+                                                               for r in sampling]
         failed: dict[str, str] = {}
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r, _ in rows], [r.prompt_token_ids for r, _ in rows],
@@ -268,7 +271,8 @@ class ModelRunner:
         ids = [r.request_id for r, _ in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs)
                     if lp is not None and rid not in failed}
-        sampled = sampled_per_request(sampling, out.scheduled_spec_decode_tokens, row_tokens)
+        sampled = (sampled_per_request(sampling, spec, row_tokens) if spec
+                   else {r.request_id: [token] for r, token in zip(sampling, row_tokens)})
         for request_id in failed:
             del sampled[request_id]
         self.timings["sample"] += time.perf_counter() - sample_start
