@@ -35,7 +35,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes one decode step reads: every product's weight as its path holds it (scales included)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.model_runner
     forward = runner.backend.forward
     layers = getattr(forward, "layers", None)
     if layers is None:   # not the fused step: the model's own tensors
@@ -60,7 +60,8 @@ def main() -> None:
     print(cpu_description(), f"| {torch.get_num_threads()} threads | read bandwidth {bandwidth / 1e9:.1f} GB/s")
     for q, llm in llms.items():
         print(f"{q or 'bfloat16'}: {weight_bytes(llm) / 1e6:.1f} MB a step, roofline "
-              f"{bandwidth / weight_bytes(llm):.1f} steps/s; paths {llm.engine.runner.gemm_paths}")
+              f"{bandwidth / weight_bytes(llm):.1f} steps/s; "
+              f"paths {llm.engine.executor.gemm_paths}")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for batch in args.batch:
         prompts = [{"prompt_token_ids": list(range(10 + i, 26 + i))} for i in range(batch)]

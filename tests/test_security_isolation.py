@@ -49,7 +49,7 @@ def inproc(tmp_path_factory):
 def runner(inproc, monkeypatch):
     """The in-process engine's runner, its steps slowed to 10 ms so that the attack lands while
     the victim streams (alone, nanoserve-tiny's 48 tokens take ~40 ms)."""
-    runner = inproc.engine.engine_core.core.runner
+    runner = inproc.engine.engine_core.core.executor.model_runner
     real = runner.execute_model
 
     def slow(out):
