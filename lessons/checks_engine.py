@@ -4,9 +4,10 @@ by lessons/checks.py.
 Each exercise writes one piece of the engine itself: the flat batch's indices, the running half of
 the scheduler, allocate_slots, the prefix-cache hash chain, the sampler's exponential race. The
 check swaps the learner's piece into the real engine, through the same public attributes that
-lessons/workload.py uses (`engine.scheduler`, `engine.kv_cache_manager`, `runner.sampler`,
-`runner.batch_indices`), and asks for HF transformers' greedy tokens, in a pool so small that
-requests are preempted and with a budget so small that prompts are chunked. Where a rule can be
+lessons/workload.py uses (`engine.scheduler`, `engine.kv_cache_manager`, and the model runner's
+`sampler` and `batch_indices`: `engine.executor.model_runner`), and asks for HF transformers'
+greedy tokens, in a pool so small that requests are preempted and with a budget so small that
+prompts are chunked. Where a rule can be
 stated (all or nothing, the same hits as nanoserve's chain), a wrapper checks every call as well,
 so that a wrong piece fails with a message about the call that went wrong.
 """
@@ -46,7 +47,7 @@ def check_batch_indices(mod, say) -> None:
             torch.tensor([[7, 1, 3], [5, 0, 0]], dtype=torch.int32), 4)
     say("the module docstring's example: a decode at position 9 and a 3-token prefill")
     llm = small_llm()
-    llm.engine.runner.batch_indices = checked
+    llm.engine.executor.model_runner.batch_indices = checked
     expect_hf_greedy(llm, prompt_ids(llm))
     expect(llm.engine.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
     say(f"4 prompts, chunked and preempted, {calls} steps with your indices: HF's greedy tokens")
@@ -245,7 +246,7 @@ def check_exponential_race(mod, say) -> None:
            "in a batch: its noise must come from its generator alone")
     say("a seeded row draws the same token alone and as row 2 of 4")
     llm = small_llm()
-    runner = llm.engine.runner
+    runner = llm.engine.executor.model_runner
     runner.sampler = mod.ExponentialRaceSampler(runner.sampler.generator, runner.sampler.argmax)
     prompt = prompt_ids(llm)[0]
     seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)

@@ -118,9 +118,10 @@ class Probe:
         self.first_token: dict[str, float] = {}    # request id -> time of its first token
         self.finished: dict[str, float] = {}
         self._wrap(core.scheduler, "schedule", "schedule", self._record)
-        self._wrap(core.runner, "prepare_inputs", "prepare inputs")
-        self._wrap(core.runner.backend, "forward", "forward")    # the model, or the fused step
-        self._wrap(core.runner, "sampler", "sample")
+        runner = core.executor.model_runner     # the engine's own, in this process
+        self._wrap(runner, "prepare_inputs", "prepare inputs")
+        self._wrap(runner.backend, "forward", "forward")    # the model, or the fused step
+        self._wrap(runner, "sampler", "sample")
         self._wrap(core.scheduler, "update", "update", self._tokens)
         self.start = time.perf_counter()
 
@@ -240,7 +241,7 @@ def main() -> None:
     try:
         llm = LLM(**vars(Config.from_cli_args(args)))
         install(llm, args)
-        prompts = make_prompts(args, llm.engine.runner.vocab_size)
+        prompts = make_prompts(args, llm.engine.executor.vocab_size)
         lengths = cycled(args.max_tokens, int, "max_tokens")
         temps = cycled(args.temperature, float, "temperature")
         seeds = cycled(args.request_seed, int, "request_seed") if args.request_seed else [None]

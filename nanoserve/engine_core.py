@@ -1,6 +1,6 @@
-"""engine_core.py: the engine core (scheduler + KV cache manager + model runner) and its busy loop.
+"""engine_core.py: the engine core (scheduler + KV cache manager + executor) and its busy loop.
 
-`EngineCore.step()` is the whole loop of the design: schedule -> the worker runs the model
+`EngineCore.step()` is the whole loop of the design: schedule -> the executor runs the model
 and samples -> the scheduler appends tokens and checks stops. Every unfinished request
 simply stays in the scheduler for the next step. The core speaks token ids only.
 
@@ -37,21 +37,20 @@ from nanoserve.request import (EngineCoreOutput, EngineCoreOutputs, Request, Req
 from nanoserve.scheduler import Scheduler
 from nanoserve.structured_output import StructuredOutputManager
 from nanoserve.trace import Tracer
-from nanoserve.executor import MultiprocExecutor
-from nanoserve.model_runner import ModelRunner
+from nanoserve.executor import MultiprocExecutor, UniProcExecutor
 
 
 class EngineCore:
-    """Scheduler + KV cache manager + model runner, stepped by whoever drives it."""
+    """Scheduler + KV cache manager + executor, stepped by whoever drives it."""
 
     def __init__(self, config: Config):
         self.tracer = Tracer.open(config.trace)
-        # tensor_parallel_size > 1: the same execute_model over one worker process per rank
-        self.runner = (ModelRunner(config) if config.tensor_parallel_size == 1
-                       else MultiprocExecutor(config))
-        self.config = config = self.runner.config        # resolved: fixed from here on
+        # The runner in this process, or a worker process per TP rank: the same calls (executor.py)
+        self.executor = (UniProcExecutor(config) if config.tensor_parallel_size == 1
+                         else MultiprocExecutor(config))
+        self.config = config = self.executor.config        # resolved: fixed from here on
         # What a front end needs to know of the model (it may live in another process).
-        self.vocab_size, self.model_path = self.runner.vocab_size, str(self.runner.model_path)
+        self.vocab_size, self.model_path = self.executor.vocab_size, str(self.executor.model_path)
         self.kv_cache_manager = KVCacheManager(config.num_kv_blocks, config.block_size,
                                                config.enable_prefix_caching, self.tracer)
         self.scheduler = Scheduler(config, self.kv_cache_manager, self.tracer)
@@ -59,7 +58,7 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(config.tokenizer or self.model_path,
                                                          self.vocab_size)
         # Where the time goes (seconds, summed over steps); `nanoserve bench` prints them.
-        self.timings = self.runner.timings
+        self.timings = self.executor.timings
         self.timings.update(schedule=0.0, update=0.0, grammar=0.0)
         self.num_batched_requests = 0       # summed over steps: / steps = mean batch size
         self.failed: dict[str, Exception] = {}   # failed alone in a step, until pop_failed()
@@ -78,10 +77,6 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
-
-    def worker_pids(self) -> list[int]:
-        """The tensor-parallel worker processes, rank order (none: the model runs in this one)."""
-        return self.runner.worker_pids() if isinstance(self.runner, MultiprocExecutor) else []
 
     def get_stats(self) -> dict[str, float]:
         """The engine's side of /metrics (gauges, and counters ending in _total)."""
@@ -114,7 +109,7 @@ class EngineCore:
         self.num_batched_requests += len(scheduler_output.requests)
         try:
             self._grammar_bitmask(scheduler_output)
-            sampled, logprobs, failed = self.runner.execute_model(scheduler_output)
+            sampled, logprobs, failed = self.executor.execute_model(scheduler_output)
             failed.update(self._accept_tokens(sampled))
         except Exception as e:
             # The step's requests cannot go on; everyone else can. Roll their progress back
@@ -169,13 +164,13 @@ class EngineCore:
         if self.tracer.enabled:
             self.tracer.emit("grammar_bitmask", reqs=out.structured_output_request_ids)
 
-    def _accept_tokens(self, sampled: dict[str, int]) -> dict[str, str]:
+    def _accept_tokens(self, sampled: dict[str, list[int]]) -> dict[str, str]:
         """Advance the grammars; {request id: why} for each whose grammar refused its token
         (taken out of `sampled`)."""
         start = time.perf_counter()
         refused = self.structured_output.accept_tokens(sampled)
         self.timings["grammar"] += time.perf_counter() - start
-        return {request_id: f"its grammar refused the token it sampled ({sampled.pop(request_id)})"
+        return {request_id: f"its grammar refused the token it sampled {sampled.pop(request_id)}"
                 for request_id in refused}
 
     def _fail_alone(self, out: SchedulerOutput, failed: dict[str, str]) -> None:

@@ -1,11 +1,9 @@
-"""executor.py: tensor parallel as processes: one `Worker` per rank, driven by the engine core.
-
-    LLM(model, tensor_parallel_size=2)      # or: nanoserve serve --tensor-parallel-size 2
-
-With `tensor_parallel_size` N > 1, `EngineCore` holds a `MultiprocExecutor` where it would hold
-a ModelRunner; it has the same `execute_model(scheduler_output)`, `timings`, and the attributes
-rank 0 reports once (worker.py's `RunnerInfo`: config, model_path, hf_config, vocab_size, ...).
-`worker_pids()` names the worker processes (the server prints them). The layout:
+"""executor.py: how the engine core runs the model (vLLM's executors): `UniProcExecutor`, the
+ModelRunner in this process (one device), or `MultiprocExecutor`, one `Worker` process per
+tensor-parallel rank. Both have the calls of `EngineCore`'s one code path: `execute_model`,
+`timings`, `worker_pids()` (the server prints them), the runner's `RunnerInfo` as attributes.
+With `tensor_parallel_size` N > 1 (`LLM(model, tensor_parallel_size=2)`, or `nanoserve serve
+--tensor-parallel-size 2`) the layout is:
 
     engine core process                       worker processes, one per rank (spawned)
     MultiprocExecutor --- pipe per rank --->  Worker: join the group (gloo on CPU, NCCL on
@@ -52,10 +50,26 @@ from nanoserve.config import Config
 from nanoserve.errors import WorkerError
 from nanoserve.models.llama import shard_for_tp
 from nanoserve.model_loader import resolve_model_path
+from nanoserve.model_runner import ModelRunner
 from nanoserve.request import SchedulerOutput
 from nanoserve.worker import RunnerInfo, run_worker
 
 JOIN_TIMEOUT_S = 5.0
+
+
+class UniProcExecutor:
+    """One device: the ModelRunner (`model_runner`) in the engine core's own process."""
+
+    def __init__(self, config: Config):
+        self.model_runner = ModelRunner(config)
+        vars(self).update(vars(RunnerInfo.of(self.model_runner)))   # config, vocab_size, ...
+        self.timings = self.model_runner.timings
+
+    def execute_model(self, scheduler_output: SchedulerOutput):
+        return self.model_runner.execute_model(scheduler_output)
+
+    def worker_pids(self) -> list[int]:
+        return []       # no worker process: the model runs in this one
 
 
 class MultiprocExecutor:
@@ -92,9 +106,7 @@ class MultiprocExecutor:
         except WorkerError:
             self.close()
             raise
-        self.config, self.model_path, self.hf_config = info.config, info.model_path, info.hf_config
-        self.vocab_size, self.dtype, self.device = info.vocab_size, info.dtype, info.device
-        self.gemm_paths = info.gemm_paths
+        vars(self).update(vars(info))      # config, model_path, hf_config, vocab_size, ...
         self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # rank 0's
 
     def worker_pids(self) -> list[int]:
@@ -102,7 +114,7 @@ class MultiprocExecutor:
         return [proc.pid for proc in self.procs]
 
     def execute_model(self, scheduler_output: SchedulerOutput):
-        """Send the step to every rank; return rank 0's ({request id: token}, logprobs, failed)."""
+        """Send the step to every rank; return rank 0's ({request id: [tokens]}, logprobs, failed)."""
         if self.error:
             raise WorkerError(f"tensor-parallel workers are down: {self.error}")
         self._outbox.put(scheduler_output)

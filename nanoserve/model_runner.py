@@ -230,9 +230,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput
-                      ) -> tuple[dict[str, int], dict[str, object], dict[str, str]]:
-        """Run one step. Returns ({request id: sampled token}, {request id: TokenLogprobs},
-        {request id: why its row failed}); a failed request has no token and no logprobs (its
+                      ) -> tuple[dict[str, list[int]], dict[str, object], dict[str, str]]:
+        """Run one step. Returns ({request id: its new tokens}, {request id: TokenLogprobs},
+        {request id: why its row failed}): one token a request, or with drafts the tokens it
+        gains (vLLM's sampled_token_ids); a failed request has no tokens and no logprobs (its
         row's fault fails it alone: engine_core.py)."""
         for request_id in out.finished_req_ids:
             self.generators.pop(request_id, None)
@@ -251,8 +252,10 @@ class ModelRunner:
         # On CUDA the forward runs asynchronously: its time lands in "sample", at the sync.
         sample_start = time.perf_counter()
         self.timings["forward"] += sample_start - forward_start
-        # One row per request, k + 1 for a request with k drafts (the positions it verifies).
-        rows = verification_rows(sampling, out.scheduled_spec_decode_tokens)
+        # One row per request; with drafts, k + 1 for a request with k (the positions it verifies).
+        spec = out.scheduled_spec_decode_tokens
+        rows = verification_rows(sampling, spec) if spec else [(r, r.output_token_ids)
+                                                               for r in sampling]
         failed: dict[str, str] = {}
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r, _ in rows], [r.prompt_token_ids for r, _ in rows],
@@ -260,30 +263,32 @@ class ModelRunner:
             eos_token_id=sampling[0].eos_token_id, vocab_size=self.vocab_size, device=self.device)
         if out.grammar_bitmask is not None:
             metadata.grammar_bitmask, metadata.grammar_rows = self._grammar_bitmask(out, rows)
-        result = self.sampler(logits, metadata)
-        row_tokens = result.sampled_token_ids.tolist()
+        # The step's one sync: the sampled ids (with the logprobs) to the host.
+        row_tokens, row_logprobs = self.sampler(logits, metadata).tolists(metadata)
         for (request, _), token in zip(rows, row_tokens):
             if token < 0:      # the sampler's mark of a row that was not finite
                 failed.setdefault(request.request_id, "its logits or probabilities were not "
                                   "finite (NaN or infinity)")
-        ids = [r.request_id for r, _ in rows]
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs)
-                    if lp is not None and rid not in failed}
-        sampled = sampled_per_request(sampling, out.scheduled_spec_decode_tokens, row_tokens)
+        logprobs = {r.request_id: lp for (r, _), lp in zip(rows, row_logprobs)
+                    if lp is not None and r.request_id not in failed}
+        sampled = (sampled_per_request(sampling, spec, row_tokens) if spec
+                   else {r.request_id: [token] for r, token in zip(sampling, row_tokens)})
         for request_id in failed:
             del sampled[request_id]
         self.timings["sample"] += time.perf_counter() - sample_start
         return sampled, logprobs, failed
 
     def _grammar_bitmask(self, out: SchedulerOutput, rows: list):
-        """The step's grammar bitmask (the engine core's, structured_output.py) on this device,
-        and the logits row of each of its rows (`rows`: the verification rows; a structured
-        request has no drafts, so one row). Under tensor parallel only rank 0 gets here: it
-        holds the gathered logits."""
+        """The step's grammar bitmask (the engine core's, structured_output.py) on this device, a
+        row per logits row as xgrammar's op wants it, built on the host (no sync); and the rows it
+        masks (`rows`: the verification rows; a structured request has no drafts, so one row).
+        Under tensor parallel only rank 0 gets here: it holds the gathered logits."""
         row_of = {r.request_id: i for i, (r, _) in enumerate(rows)}
-        rows = [row_of[request_id] for request_id in out.structured_output_request_ids]
-        return (out.grammar_bitmask.to(self.device, non_blocking=True),
-                torch.tensor(rows, dtype=torch.int64, device=self.device))
+        masked = [row_of[request_id] for request_id in out.structured_output_request_ids]
+        full = torch.full((len(rows), out.grammar_bitmask.shape[1]), -1, dtype=torch.int32,
+                          pin_memory=self.device.type == "cuda")
+        full[masked] = out.grammar_bitmask
+        return full.to(self.device, non_blocking=True), masked
 
     def _generator(self, request, failed: dict[str, str]) -> Optional[torch.Generator]:
         """The request's own generator; a request's k + 1 verified rows draw from it in turn.

@@ -24,7 +24,8 @@ penalties + argmax. Worked example, one row, temperature 0.5, top_k 2:
 A row whose logits or probabilities are not finite (a NaN, an inf: a model's overflow, or what a
 parameter made of them) samples no token: -1, which fails that row's request alone.
 
-The model runner builds `SamplingMetadata.from_requests(...)` once per step, then calls `Sampler()`.
+The model runner builds `SamplingMetadata.from_requests(...)` once per step (host values copied
+without waiting: `to_device`), calls `Sampler()`, then `SamplerOutput.tolists`: the one sync.
 Tests: pytest -x -q tests/test_sampler.py
 Lesson: lessons/07-sampling-and-config.md
 """
@@ -71,10 +72,10 @@ class SamplingMetadata:
     num_logprobs: list[Optional[int]]      # per row: the request's `logprobs` (None = no)
     logprobs_rows: Optional[Tensor]        # [r] int64, the rows that asked
     max_num_logprobs: int                  # largest `logprobs` of the batch
-    # Structured outputs: the step's grammar bitmask [m, ceil(vocab / 32)] int32 (structured_output.py)
-    # and the row of each of its m rows; set by the runner, None when no row is structured.
+    # Structured outputs: the step's grammar bitmask [n, ceil(vocab / 32)] int32 (structured_output.py)
+    # and the rows it masks (host ints); set by the runner, None when no row is structured.
     grammar_bitmask: Optional[Tensor] = None
-    grammar_rows: Optional[Tensor] = None      # [m] int64
+    grammar_rows: Optional[list[int]] = None
 
     @classmethod
     def from_requests(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -89,7 +90,7 @@ class SamplingMetadata:
         all_greedy = all(greedy)
 
         def row_tensor(values: list, dtype) -> Optional[Tensor]:
-            return torch.tensor(values, dtype=dtype, device=device) if values else None
+            return to_device(values, dtype, device) if values else None
 
         def knob(values: list, off, dtype) -> Optional[Tensor]:
             """A per-row tensor, or None when no sampled row turns this knob."""
@@ -190,13 +191,20 @@ def _penalty_counts(params: list[SamplingParams], prompt_token_ids: list[list[in
     return rep_on, out_on, prompt_mask, output_counts
 
 
+def to_device(values: list, dtype: torch.dtype, device) -> Tensor:
+    """Host values on `device` without a sync: pinned, copied asynchronously (`torch.tensor(values,
+    device="cuda")` copies from pageable memory, waiting for every kernel queued: the forward)."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(device, non_blocking=True)
+
+
 def _token_counts(token_ids: list[list[int]], vocab_size: int, device) -> Tensor:
     """[n, vocab] float32: how often each token occurs in each row's list. Rows are padded with
     the id `vocab_size`, whose counts land in an extra column that is then cut off:
     [[3, 1, 3], [2]], vocab 4 -> padded [[3, 1, 3], [2, 4, 4]] -> [[0, 1, 0, 2], [0, 0, 1, 0]]."""
     width = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.tensor([ids + [vocab_size] * (width - len(ids)) for ids in token_ids],
-                          dtype=torch.int64, device=device).view(len(token_ids), width)
+    padded = to_device([ids + [vocab_size] * (width - len(ids)) for ids in token_ids],
+                       torch.int64, device).view(len(token_ids), width)
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
@@ -213,28 +221,41 @@ class TokenLogprobs:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: Tensor                   # [n] int64; -1: the row was not finite
-    logprobs: list[Optional[TokenLogprobs]]     # per row; None where the request did not ask
+    """On the device until `tolists` fetches it, in the step's one device-to-host copy."""
+
+    sampled_token_ids: Tensor                  # [n] int64; -1: the row was not finite
+    logprobs_tensors: Optional[Tensor]         # [r, 2 (1 + max n)] float64: `_logprobs`
+
+    def tolists(self, md: SamplingMetadata) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
+        """(token per row, logprobs per row: None where the request did not ask). The logprobs
+        travel in the tokens' copy as float64 (exact for token ids and for float32 values)."""
+        n, table = md.num_rows, self.logprobs_tensors
+        if table is None:
+            return self.sampled_token_ids.tolist(), [None] * n
+        host = torch.cat([self.sampled_token_ids.double(), table.flatten()]).tolist()
+        out, width = [None] * n, table.shape[1] // 2       # a row: its values, then its ids
+        rows = [i for i, k in enumerate(md.num_logprobs) if k is not None]
+        for row, start in zip(rows, range(n, len(host), 2 * width)):
+            k, v = md.num_logprobs[row], host[start:start + width]
+            t = [int(x) for x in host[start + width:start + 2 * width]]
+            out[row] = TokenLogprobs(logprob=v[0], rank=t[0], top=list(zip(t[1:k + 1], v[1:k + 1])))
+        return [int(t) for t in host[:n]], out
 
 
-def apply_grammar_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> Tensor:
+def apply_grammar_bitmask(logits: Tensor, bitmask: Tensor, rows: list[int]) -> Tensor:
     """-inf wherever a structured row's grammar forbids the token, in place, for all of the
-    step's structured rows at once; the other rows are not touched. `bitmask` is xgrammar's
-    layout, 32 tokens per int32 word: token t is allowed when bit t % 32 of word t // 32 is set.
-    Vocabulary 3, bitmask row [0b110]: tokens 1 and 2 keep their logits, token 0 gets -inf. In
-    torch that is
+    step's structured rows at once (`rows`; bitmask row i masks logits row i); the other rows
+    are not touched. `bitmask` is xgrammar's layout, 32 tokens per int32 word: token t is allowed
+    when bit t % 32 of word t // 32 is set. Vocabulary 3, bitmask row [0b110]: tokens 1 and 2
+    keep their logits, token 0 gets -inf. In torch that is
 
-        allowed = ((bitmask[:, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab].bool()
+        allowed = ((bitmask[rows, :, None] >> torch.arange(32)) & 1).flatten(1)[:, :vocab].bool()
         logits[rows] = logits[rows].masked_fill(~allowed, -inf)
 
     which xgrammar's own op does without the [rows, vocab] temporaries (C++ on a CPU, a kernel
     on a GPU): 4x faster for 64 rows of a 49k vocabulary on a CPU (11 ms against 45)."""
     import xgrammar
-    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32,
-                      device=logits.device)            # its op wants a bitmask row per logits row
-    full[rows] = bitmask
-    xgrammar.apply_token_bitmask_inplace(logits, full, vocab_size=logits.shape[1],
-                                         indices=rows.tolist())
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
     return logits
 
 
@@ -327,8 +348,8 @@ class Sampler:
             sampled = self._sample(logits, md.generators)
             if greedy_ids is not None:
                 sampled = torch.where(md.greedy, greedy_ids, sampled)
-        logprobs = _logprobs(raw_logits, sampled, md)
-        return SamplerOutput(sampled.masked_fill(~row_max.isfinite(), -1), logprobs)
+        return SamplerOutput(sampled.masked_fill(~row_max.isfinite(), -1),
+                             _logprobs(raw_logits, sampled, md))
 
     def _sample(self, logits: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
         """Exponential race: with q_i ~ Exp(1) independent, argmax_i p_i / q_i is token i with
@@ -350,22 +371,15 @@ class Sampler:
         return self.argmax(probs.div_(q))
 
 
-def _logprobs(raw_logits: Tensor, sampled: Tensor,
-              md: SamplingMetadata) -> list[Optional[TokenLogprobs]]:
+def _logprobs(raw_logits: Tensor, sampled: Tensor, md: SamplingMetadata) -> Optional[Tensor]:
     """vLLM V1's default ("raw_logprobs"): log_softmax of the logits as the model produced them,
     for the rows that asked: the sampled token's logprob and rank, then the batch's max n of top
-    logprobs, each row cut to its own n. Column 0 is the sampled token, columns 1.. the top-n."""
-    out: list[Optional[TokenLogprobs]] = [None] * md.num_rows
+    logprobs (`SamplerOutput.tolists` cuts each row to its own n). Per row: [its logprob, top-n
+    logprobs, its rank, top-n ids], float64, on the device (None: no row asked)."""
     if md.logprobs_rows is None:
-        return out
+        return None
     logprobs = raw_logits[md.logprobs_rows].log_softmax(dim=-1, dtype=torch.float32)
     token_logprob = logprobs.gather(1, sampled[md.logprobs_rows][:, None])
     rank = (logprobs >= token_logprob).sum(dim=-1, keepdim=True)   # ties rank against it
     top_logprobs, top_ids = logprobs.topk(md.max_num_logprobs, dim=-1)
-    values = torch.cat([token_logprob, top_logprobs], dim=1).tolist()
-    ids = torch.cat([rank, top_ids], dim=1).tolist()
-    rows = [i for i, k in enumerate(md.num_logprobs) if k is not None]
-    for row, v, t in zip(rows, values, ids):
-        k = md.num_logprobs[row]
-        out[row] = TokenLogprobs(logprob=v[0], rank=t[0], top=list(zip(t[1:k + 1], v[1:k + 1])))
-    return out
+    return torch.cat([t.double() for t in (token_logprob, top_logprobs, rank, top_ids)], dim=1)

@@ -251,24 +251,24 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.add(request, front=True)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]],
                logprobs: Optional[dict[str, Any]] = None) -> list[EngineCoreOutput]:
         """Append each sampled token, apply the stop checks, free the finished.
 
-        `sampled` maps request id -> token for the requests that reached the end of their
-        known tokens this step (a prefill chunk that did not samples nothing).
+        `sampled` maps request id -> its new tokens (one; with drafts, those it gained) for the
+        requests that reached the end of their known tokens this step (a prefill chunk that did
+        not samples nothing).
         """
         outputs = []
         finished = False
         if output.scheduled_spec_decode_tokens:
             self._take_back_rejected(output, sampled)
         for request in output.requests:
-            token = sampled.get(request.request_id)
-            if token is None or request.status.is_finished:
+            tokens = sampled.get(request.request_id)
+            if tokens is None or request.status.is_finished:
                 continue
             new_tokens = []
-            # A verified run is a list: the stop checks cut it at the first token that stops.
-            for token in token if isinstance(token, list) else [token]:
+            for token in tokens:    # the stop checks cut a verified run at the first that stops
                 request.append_output_token(token)
                 new_tokens.append(token)
                 if self._check_stop(request, token):

@@ -182,7 +182,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     @classmethod
     def from_core(cls, core) -> "Ready":
         return cls(core.config, core.vocab_size, core.model_path, core.get_stats(),
-                   core.runner.device.type, os.getpid(), core.worker_pids())
+                   core.executor.device.type, os.getpid(), core.executor.worker_pids())
 
 
 class StartupError(msgspec.Struct, tag="error", array_like=True):

@@ -100,17 +100,12 @@ def accepted_tokens(draft_token_ids: list[int], target_token_ids: list[int]) -> 
 
 
 def sampled_per_request(requests: list["Request"], drafts: dict[str, list[int]],
-                        row_tokens: list[int]) -> dict[str, int | list[int]]:
-    """{request id: its sampled token}, or for a request with drafts the list of tokens it
-    gains (`accepted_tokens` over its k + 1 rows of `verification_rows`)."""
-    sampled: dict[str, int | list[int]] = {}
-    row = 0
+                        row_tokens: list[int]) -> dict[str, list[int]]:
+    """{request id: the tokens it gains}: `accepted_tokens` over the k + 1 rows of
+    `verification_rows` of a request with k drafts (one row, one token, for one without)."""
+    sampled, row = {}, 0
     for request in requests:
-        mine = drafts.get(request.request_id)
-        if mine:
-            sampled[request.request_id] = accepted_tokens(mine, row_tokens[row:row + len(mine) + 1])
-            row += len(mine) + 1
-        else:
-            sampled[request.request_id] = row_tokens[row]
-            row += 1
+        mine = drafts.get(request.request_id, [])
+        sampled[request.request_id] = accepted_tokens(mine, row_tokens[row:row + len(mine) + 1])
+        row += len(mine) + 1
     return sampled

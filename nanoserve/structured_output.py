@@ -306,14 +306,15 @@ class StructuredOutputManager:
         return xgrammar.GrammarMatcher(compiler.compile_grammar('root ::= ""'),
                                        override_stop_tokens=stop_ids)
 
-    def accept_tokens(self, sampled: dict[str, int]) -> list[str]:
-        """Advance each structured request's matcher by the token it sampled; returns the
-        requests whose grammar refused it (its bitmask allowed it: a bug), which fail alone."""
+    def accept_tokens(self, sampled: dict[str, list[int]]) -> list[str]:
+        """Advance each structured request's matcher by the tokens it sampled (one: it has no
+        drafts); returns the requests whose grammar refused one (its bitmask allowed it: a bug),
+        which fail alone."""
         refused = []
         if not self.matchers:
             return refused
-        for request_id, token in sampled.items():
+        for request_id, tokens in sampled.items():
             matcher = self.matchers.get(request_id)
-            if matcher is not None and not matcher.accept_token(token):
+            if matcher is not None and not all(matcher.accept_token(t) for t in tokens):
                 refused.append(request_id)
         return refused

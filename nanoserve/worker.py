@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -34,8 +34,8 @@ from nanoserve.model_runner import ModelRunner
 
 @dataclass
 class RunnerInfo:
-    """What the engine core and its users read of a ModelRunner, sent once by rank 0: the
-    MultiprocExecutor holds these as attributes of the same names, where a ModelRunner would."""
+    """What the engine core and its users read of a ModelRunner, sent once by rank 0: both
+    executors (executor.py) hold these as attributes of the same names."""
 
     config: Config               # resolved (max_model_len, num_kv_blocks): fixed from here on
     model_path: Path
@@ -44,6 +44,10 @@ class RunnerInfo:
     dtype: torch.dtype
     device: torch.device
     gemm_paths: dict[str, str]   # each Linear's matmul path on this CPU
+
+    @classmethod
+    def of(cls, runner: ModelRunner) -> RunnerInfo:
+        return cls(**{f.name: getattr(runner, f.name) for f in fields(cls)})
 
 
 class Worker:
@@ -54,13 +58,6 @@ class Worker:
         device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device),
                                       len(config.data_parallel_ranks_here))
         self.runner = ModelRunner(config, TensorParallel(rank, size), device)
-
-    def describe(self) -> RunnerInfo:
-        """What the engine core reads from its runner (sent once, by rank 0)."""
-        r = self.runner
-        return RunnerInfo(config=r.config, model_path=r.model_path, hf_config=r.hf_config,
-                          vocab_size=r.vocab_size, dtype=r.dtype, device=r.device,
-                          gemm_paths=r.gemm_paths)
 
 
 def _exit_with_parent() -> None:
@@ -78,7 +75,7 @@ def run_worker(config: Config, rank: int, init_method: str, conn) -> None:
     _exit_with_parent()
     try:
         worker = Worker(config, rank, init_method)
-        conn.send(("ready", worker.describe() if rank == 0 else None))
+        conn.send(("ready", RunnerInfo.of(worker.runner) if rank == 0 else None))
         while (scheduler_output := conn.recv()) is not None:
             result = worker.runner.execute_model(scheduler_output)
             if rank == 0:    # with this step's timings, which start again from zero

@@ -38,7 +38,7 @@ def weight_bytes(llm: LLM) -> int:
     """Bytes one decode step reads: every layer's product weight as its path holds it (the CPU
     backend's Gemm, scales included; else the Linear's own tensors), and the LM head, kept in the
     model dtype: the embedding's shape."""
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model_runner.model
     linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
     held = [getattr(m.impl, "__self__", m) for m in linears]   # a Gemm's bound product, or the Linear
     own = lambda linear: sum(t.nbytes for t in [*linear.parameters(), *linear.buffers()])  # noqa: E731
@@ -60,7 +60,8 @@ def main() -> None:
     print(cpu_description(), f"| {torch.get_num_threads()} threads | read bandwidth {bandwidth / 1e9:.1f} GB/s")
     for q, llm in llms.items():
         print(f"{q or 'bfloat16'}: {weight_bytes(llm) / 1e6:.1f} MB a step, roofline "
-              f"{bandwidth / weight_bytes(llm):.1f} steps/s; paths {llm.engine.runner.gemm_paths}")
+              f"{bandwidth / weight_bytes(llm):.1f} steps/s; "
+              f"paths {llm.engine.executor.gemm_paths}")
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for batch in args.batch:
         prompts = [{"prompt_token_ids": list(range(10 + i, 26 + i))} for i in range(batch)]

@@ -37,12 +37,12 @@ def bench(num_running: int, steps: int, prompt_len: int = 128, block_size: int =
         sched.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens,
                                                                   ignore_eos=True)))
     out = sched.schedule()                      # the prefill step, not timed
-    sched.update(out, {r.request_id: 1 for r in out.requests})
+    sched.update(out, {r.request_id: [1] for r in out.requests})
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         out = sched.schedule()
-        sched.update(out, {r.request_id: 1 for r in out.requests})
+        sched.update(out, {r.request_id: [1] for r in out.requests})
         times.append(time.perf_counter() - t0)
     assert len(out.requests) == num_running
     return {"median_us": statistics.median(times) * 1e6,

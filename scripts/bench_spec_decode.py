@@ -127,7 +127,7 @@ def main() -> None:
     off = engines["off"]
     # Each engine times its product paths at start-up; on a busy machine they can choose
     # differently, and then a ratio measures the paths as well as speculation.
-    paths = {name: llm.engine.runner.gemm_paths for name, llm in engines.items()}
+    paths = {name: llm.engine.executor.gemm_paths for name, llm in engines.items()}
     same_paths = all(p == paths["off"] for p in paths.values())
     workloads = {"copy-heavy": copy_heavy_workload(off, args.num_prompts, args.min_story_len,
                                                    args.story_len),

@@ -197,7 +197,7 @@ def llama_cpp_rates(llama_cpp: Path, gguf: Path, threads: int, shapes: dict) -> 
 
 def nanoserve_rates(llm, shapes: dict) -> dict:
     """One run of each shape in nanoserve, timed by nanoserve bench's own time_workload."""
-    vocab = llm.engine.runner.vocab_size
+    vocab = llm.engine.executor.vocab_size
     decode = time_workload(llm, *make_workload(1, (1, 1), (shapes["decode_len"],) * 2, vocab))
     prefill = time_workload(llm, *make_workload(1, (shapes["prefill_len"],) * 2, (1, 1), vocab))
     n, tg = shapes["num_seqs"], shapes["seq_output_len"]

@@ -223,7 +223,7 @@ def main():
             vllm.close()
     ratios = [a / b for a, b in zip(ours, theirs)]
     print(f"machine: {cpu_description()}")
-    print(f"nanoserve GEMM paths: {llm.engine.runner.gemm_paths}")
+    print(f"nanoserve GEMM paths: {llm.engine.executor.gemm_paths}")
     print(f"workload: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{sum(output_lens)} output tokens, {args.dtype}, {torch.get_num_threads()} threads, "
           f"prefix caching {'on' if args.prefix_caching else 'off'}, block size "

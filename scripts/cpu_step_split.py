@@ -54,7 +54,7 @@ def is_product(call) -> bool:
 
 def instrument(llm: LLM) -> tuple[Clock, Clock]:
     """Clocks on the graphs' products and on the LM head."""
-    runner, products, head = llm.engine.runner, Clock(), Clock()
+    runner, products, head = llm.engine.executor.model_runner, Clock(), Clock()
     graphs = getattr(runner.backend.forward, "graphs", None)
     if not graphs:
         raise SystemExit("no captured graphs (a CPU without the C kernels, or --enforce-eager)")

@@ -77,7 +77,7 @@ def replay_equals_eager(dtype: str, prompts: list[str]) -> str:
     """The built-in model's graphs against its eager forward at the same padded size."""
     llm = LLM(device="cuda", dtype=dtype, kv_cache_memory_gb=1)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True), progress=False)
-    runner, checked = llm.engine.runner, []
+    runner, checked = llm.engine.executor.model_runner, []
     graphs = runner.backend.forward
     assert isinstance(graphs, GraphWrapper), f"no graphs captured: {graphs!r}"
     for n in (1, 3, 8, 13):
@@ -141,7 +141,7 @@ def launches(fn, calls: int = 5) -> tuple[float, float, float]:
 def launch_counts() -> str:
     """Launches of one decode forward at batch 1, bf16, built-in model: eager and replayed."""
     llm = LLM(device="cuda", dtype="bfloat16", kv_cache_memory_gb=1)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.model_runner
     graphs = runner.backend.forward
     ids, positions, meta = decode_step(runner, 1, 1)
     eager = launches(lambda: graphs.forward(ids, positions, runner.kv_caches, meta))

@@ -322,8 +322,8 @@ def quantized_model() -> str:
     for q in (None, "int8", "fp8"):
         llm = LLM("nanoserve-tiny", device="cuda", dtype="bfloat16", quantization=q, kv_cache_memory_gb=1)
         docs = docs or [llm.tokenizer(d, add_special_tokens=False).input_ids for d in held_out_docs()]
-        paths = llm.engine.runner.gemm_paths
-        ppl[q] = perplexity(llm.engine.runner, docs)
+        paths = llm.engine.executor.gemm_paths
+        ppl[q] = perplexity(llm.engine.executor.model_runner, docs)
         story[q] = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
                                 progress=False)[0].outputs[0].token_ids
         print(f"{q or 'bfloat16'}: perplexity {ppl[q]:.5f}; product paths {paths}")

@@ -110,9 +110,9 @@ def main():
     # The timed run as `nanoserve bench` does it: a fresh engine, then the peak on that engine.
     llm = bench.make_bench_llm(None, args.dtype)
     run = bench.time_workload(llm, prompts, output_lens)
-    peak, path = bench.matmul_peak(llm.engine.runner)
+    peak, path = bench.matmul_peak(llm.engine.executor)
     bandwidth = read_bandwidth()
-    hf_config, dtype = llm.engine.runner.hf_config, llm.engine.runner.dtype
+    hf_config, dtype = llm.engine.executor.hf_config, llm.engine.executor.dtype
     parts = lower_bound(steps, hf_config, dtype, peak, bandwidth)
     bound = sum(parts.values())
     flops = bench.useful_flops(hf_config, prompts, output_lens)

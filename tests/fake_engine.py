@@ -52,7 +52,7 @@ class FakeRunner:
     def slot(self, block_table: list[int], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def execute(self, out) -> dict[str, int | list[int]]:
+    def execute(self, out) -> dict[str, list[int]]:
         # Store every scheduled token first, then read: the real model does the same per
         # layer, which is what lets an n > 1 sibling share blocks computed in the same step.
         # Speculative drafts are stored after a request's tokens and verified like the runner
@@ -71,7 +71,7 @@ class FakeRunner:
                 seq = [self.cache[self.slot(bt, p)] for p in range(c + n)]
                 assert seq == req.all_token_ids + mine, f"{req.request_id} read back wrong KV"
                 targets = [next_token(seq[:req.num_tokens + j]) for j in range(len(mine) + 1)]
-                sampled[req.request_id] = accepted_tokens(mine, targets) if mine else targets[0]
+                sampled[req.request_id] = accepted_tokens(mine, targets)
         return sampled
 
 

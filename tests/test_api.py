@@ -234,18 +234,18 @@ def test_error_table(server):
 
 
 def test_engine_step_failure_is_a_500_and_the_server_goes_on(server, monkeypatch):
-    # The engine core in a thread of this process (--no-engine-process), so that its runner
+    # The engine core in a thread of this process (--no-engine-process), so that its executor
     # can be made to fail; the failure travels the same way as from the engine core process.
     engine = AsyncLLM(server.path, **CONFIG, engine_process=False)
-    runner, calls = engine.engine_core.core.runner, []
-    real = runner.execute_model
+    executor, calls = engine.engine_core.core.executor, []
+    real = executor.execute_model
 
     def fail_once(*args):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom")
         return real(*args)
-    monkeypatch.setattr(runner, "execute_model", fail_once)
+    monkeypatch.setattr(executor, "execute_model", fail_once)
     with serve(engine, MODEL, KEY) as url:
         inproc = SimpleNamespace(url=url, client=openai.OpenAI(base_url=url + "/v1", api_key=KEY,
                                                                max_retries=0))
@@ -271,7 +271,7 @@ def test_a_cuda_error_in_a_step_kills_the_engine(server, monkeypatch, error):
 
     def fail(*args):
         raise getattr(torch, kind, RuntimeError)(message)
-    monkeypatch.setattr(engine.engine_core.core.runner, "execute_model", fail)
+    monkeypatch.setattr(engine.engine_core.core.executor, "execute_model", fail)
     with serve(engine, MODEL, KEY) as url:
         response = raw(SimpleNamespace(url=url), OK)    # in flight when the engine died: 500
         assert response.status_code == 500 and message in response.json()["error"]["message"]

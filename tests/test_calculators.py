@@ -111,7 +111,7 @@ def test_calculator_block_count_equals_the_engines(tiny, dtype, gb):
     assert r.num_blocks == llm.engine.config.num_kv_blocks > 0
     assert r.max_model_len == llm.engine.config.max_model_len
     # Weights: what the engine holds (parameters + buffers), counted from the headers.
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model_runner.model
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     held += sum(m.impl.__self__.nbytes for m in model.modules()   # what each Linear's gemm holds
                 if isinstance(m, Linear) and m.weight is None)   # in place of its weight

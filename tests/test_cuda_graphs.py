@@ -259,7 +259,7 @@ def test_greedy_through_replayed_decode_steps_equals_hf(checkpoint, kernels, mon
     monkeypatch.setenv("NANOSERVE_CPU_KERNEL", kernels)
     path, hf_model = checkpoint
     llm = LLM(path, block_size=16, max_model_len=256, num_kv_blocks=256, max_num_seqs=8)
-    runner, sizes = llm.engine.runner, [1, 2, 4, 8]
+    runner, sizes = llm.engine.executor.model_runner, [1, 2, 4, 8]
     graphs = GraphWrapper(runner.backend.forward, sizes, StandInGraph)
     StandInGraph.replays = 0
     graphs.capture(runner.inputs, runner.kv_caches)

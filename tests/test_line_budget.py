@@ -50,7 +50,10 @@ CORE_CAPABILITY_BUDGETS = {
     # the Backend's two fields, the reference store skipping padded slots (~20). + 80 in its second
     # round: graph_capture.py, the capture-and-replay protocol both backends share (GraphWrapper,
     # moved out of cuda/graphs.py when the CPU got its own capture: which steps replay and why).
-    "cuda_graphs": 260,
+    # + 15 for the step's one sync (tests/test_step_syncs.py): the sampling metadata and the
+    # grammar bitmask built on the host and copied without waiting (sampler.to_device), the
+    # logprobs fetched in the sampled ids' one copy (SamplerOutput.tolists) instead of two more.
+    "cuda_graphs": 275,
     # issue 51: safe on a network: serial_utils.py (typed msgspec messages, HMAC-signed frames
     # with a session handshake against replay, drops logged; ~325) and core_client.py's use of it,
     # the rpc secret and the every-rank watchdog (~35); http_limits.py (Host check, CORS, the

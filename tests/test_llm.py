@@ -193,7 +193,8 @@ def test_greedy_equals_hf_on_the_torch_reference_and_the_cpu_backend(checkpoint,
     ckpt, model = checkpoint
     llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype,
               enforce_eager=backend == "cpu-eager")
-    assert llm.engine.runner.backend.name == ("torch" if backend == "torch" else "cpu")
+    backend_name = llm.engine.executor.model_runner.backend.name
+    assert backend_name == ("torch" if backend == "torch" else "cpu")
     check_dtype_against_hf(llm, model, dtype, seed=3)
 
 
@@ -208,7 +209,7 @@ def test_greedy_equals_hf_on_every_cpu_gemm_path(checkpoint, dtype, path):
     if path == "kernel" and cpu_kernels.load() is None:
         pytest.skip("no C compiler here")
     llm = LLM(ckpt, block_size=16, num_kv_blocks=128, max_model_len=256, dtype=dtype, cpu_gemm=path)
-    chosen = set(llm.engine.runner.gemm_paths.values())
+    chosen = set(llm.engine.executor.gemm_paths.values())
     assert chosen <= {path, "torch"} and (path in chosen or dtype == "bfloat16")
     check_dtype_against_hf(llm, model, dtype, seed=2)
 

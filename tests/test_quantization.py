@@ -226,7 +226,7 @@ def perplexity(runner: ModelRunner, docs: list[list[int]]) -> float:
 def test_builtin_model_perplexity_and_greedy_story():
     llms = {q: LLM("nanoserve-tiny", dtype="bfloat16", quantization=q, num_kv_blocks=64) for q in (None, "int8", "fp8")}
     docs = [llms[None].tokenizer(d, add_special_tokens=False).input_ids for d in held_out_docs()]
-    ppl = {q: perplexity(llm.engine.runner, docs) for q, llm in llms.items()}
+    ppl = {q: perplexity(llm.engine.executor.model_runner, docs) for q, llm in llms.items()}
     assert ppl[None] < 3.0, ppl                      # the model is trained: perplexity means something
     assert ppl["int8"] <= 1.03 * ppl[None] and ppl["fp8"] <= 1.05 * ppl[None], ppl
     params = SamplingParams(temperature=0.0, max_tokens=32)

@@ -112,13 +112,13 @@ HAND = [
     dict(ev="alloc", step=1, t=0.1, req="r2", blocks=[2]),
     dict(ev="schedule", step=1, t=0.1, scheduled={"r1": 5, "r2": 3}, running=["r1", "r2"],
          waiting=[], num_prefill_tokens=8, num_decode_tokens=0, kv_used=3, kv_free=1, kv_cached=0),
-    dict(ev="step_done", step=1, t=0.2, duration_s=0.1, sampled={"r1": 7}),
+    dict(ev="step_done", step=1, t=0.2, duration_s=0.1, sampled={"r1": [7]}),
     dict(ev="alloc", step=2, t=0.3, req="r2", blocks=[3]),
     dict(ev="schedule", step=2, t=0.3, scheduled={"r1": 1, "r2": 2}, running=["r1", "r2"],
          waiting=[], num_prefill_tokens=2, num_decode_tokens=1, kv_used=4, kv_free=0, kv_cached=0),
     dict(ev="free", step=2, t=0.4, req="r1", blocks=[1, 0]),
     dict(ev="finish", step=2, t=0.4, req="r1", reason="length", prompt_len=5, output_len=2),
-    dict(ev="step_done", step=2, t=0.4, duration_s=0.1, sampled={"r1": 8, "r2": 9}),
+    dict(ev="step_done", step=2, t=0.4, duration_s=0.1, sampled={"r1": [8], "r2": [9]}),
     dict(ev="arrive", step=2, t=0.45, req="r3", prompt_len=5, max_tokens=2),
     dict(ev="prefix_hit", step=3, t=0.5, req="r3", blocks=[0], tokens=4),
     dict(ev="alloc", step=3, t=0.5, req="r3", blocks=[1]),
@@ -127,13 +127,13 @@ HAND = [
     dict(ev="grammar_bitmask", step=3, t=0.5, reqs=["r3"]),     # r3 has a grammar (and r2 not)
     dict(ev="free", step=3, t=0.6, req="r2", blocks=[3, 2]),
     dict(ev="finish", step=3, t=0.6, req="r2", reason="length", prompt_len=5, output_len=2),
-    dict(ev="step_done", step=3, t=0.65, duration_s=0.15, sampled={"r2": 1, "r3": 2}),
+    dict(ev="step_done", step=3, t=0.65, duration_s=0.15, sampled={"r2": [1], "r3": [2]}),
     dict(ev="schedule", step=4, t=0.7, scheduled={"r3": 1}, running=["r3"], waiting=[],
          num_prefill_tokens=0, num_decode_tokens=1, kv_used=2, kv_free=2, kv_cached=1),
     dict(ev="grammar_bitmask", step=4, t=0.7, reqs=["r3"]),
     dict(ev="free", step=4, t=0.8, req="r3", blocks=[1, 0]),
     dict(ev="finish", step=4, t=0.8, req="r3", reason="length", prompt_len=5, output_len=2),
-    dict(ev="step_done", step=4, t=0.8, duration_s=0.1, sampled={"r3": 3}),
+    dict(ev="step_done", step=4, t=0.8, duration_s=0.1, sampled={"r3": [3]}),
 ]
 
 

@@ -333,13 +333,14 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
               SamplingParams(logprobs=6, top_k=2, presence_penalty=2.0),
               SamplingParams(logprobs=V, temperature=0.0, frequency_penalty=1.5)]
     outputs = [[0, 1], [], [2], [3, 3], [4, 4, 4]]
-    out = Sampler()(logits, metadata(params, outputs=outputs, prompts=[[5, 6]] * 5))
+    md = metadata(params, outputs=outputs, prompts=[[5, 6]] * 5)
+    tokens, logprobs = Sampler()(logits, md).tolists(md)
     raw = logits.double().log_softmax(-1)
-    assert out.logprobs[1] is None
+    assert logprobs[1] is None
     for i, p in enumerate(params):
         if p.logprobs is None:
             continue
-        lp, token = out.logprobs[i], out.sampled_token_ids[i].item()
+        lp, token = logprobs[i], tokens[i]
         assert lp.logprob == pytest.approx(raw[i, token].item(), abs=1e-5)
         assert lp.rank == 1 + int((raw[i] > raw[i, token]).sum())
         assert len(lp.top) == p.logprobs

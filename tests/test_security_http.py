@@ -298,8 +298,8 @@ def test_a_failed_step_names_no_other_clients_request(server, monkeypatch):
     reaches each client with its own request id only; the others' are "another request"."""
     from test_api import serve
     engine = AsyncLLM(server.path, **CONFIG, engine_process=False)
-    runner, failed = engine.engine_core.core.runner, threading.Event()
-    real = runner.execute_model
+    executor, failed = engine.engine_core.core.executor, threading.Event()
+    real = executor.execute_model
 
     def fail_naming_every_request(scheduler_output, *args):
         ids = sorted({r.request_id for r in scheduler_output.requests})
@@ -307,7 +307,7 @@ def test_a_failed_step_names_no_other_clients_request(server, monkeypatch):
             failed.set()
             raise RuntimeError(f"rows of {ids} failed")
         return real(scheduler_output, *args)
-    monkeypatch.setattr(runner, "execute_model", fail_naming_every_request)
+    monkeypatch.setattr(executor, "execute_model", fail_naming_every_request)
     with serve(engine, MODEL) as url:
         kit = SimpleNamespace(client=httpx.Client(base_url=url, timeout=60))
         with kit.client, ThreadPoolExecutor(2) as pool:

@@ -49,7 +49,7 @@ def inproc(tmp_path_factory):
 def runner(inproc, monkeypatch):
     """The in-process engine's runner, its steps slowed to 10 ms so that the attack lands while
     the victim streams (alone, nanoserve-tiny's 48 tokens take ~40 ms)."""
-    runner = inproc.engine.engine_core.core.runner
+    runner = inproc.engine.engine_core.core.executor.model_runner
     real = runner.execute_model
 
     def slow(out):
@@ -210,8 +210,8 @@ def test_a_grammar_refusal_fails_only_its_request(inproc, runner, monkeypatch):
     def refused(logits, md):
         out = real(logits, md)
         if md.grammar_bitmask is not None:
-            for i, row in enumerate(md.grammar_rows.tolist()):
-                bits = (md.grammar_bitmask[i].cpu()[:, None] >> torch.arange(32)) & 1
+            for row in md.grammar_rows:
+                bits = (md.grammar_bitmask[row].cpu()[:, None] >> torch.arange(32)) & 1
                 forbidden = (bits.flatten()[:md.vocab_size] == 0).nonzero()[0, 0]
                 out.sampled_token_ids[row] = forbidden
         return out

@@ -94,7 +94,7 @@ def test_a_stopped_tp_worker_is_a_worker_error_in_the_executor(checkpoint):
     llm = LLM(checkpoint, block_size=16, num_kv_blocks=4096, max_model_len=512, max_num_seqs=256,
               max_num_batched_tokens=65536, tensor_parallel_size=2,
               engine_iteration_timeout_s=TIMEOUT_S)
-    worker = llm.engine.runner.procs[1]
+    worker = llm.engine.executor.procs[1]
     prompts = [{"prompt_token_ids": [i % 300 + 1] * 400} for i in range(200)]
     result = {}
 
@@ -109,7 +109,7 @@ def test_a_stopped_tp_worker_is_a_worker_error_in_the_executor(checkpoint):
         thread.join(10 * TIMEOUT_S)
         assert not thread.is_alive(), "the step waits for the stopped worker forever"
     assert "hung or stopped" in str(result.get("error")), result
-    assert not any(p.is_alive() for p in llm.engine.runner.procs)
+    assert not any(p.is_alive() for p in llm.engine.executor.procs)
 
 
 def _listening(pid: int) -> list[str]:
@@ -139,7 +139,7 @@ def test_tp_rendezvous_listens_on_loopback_only(checkpoint):
     than loopback (torch's TCPStore listened on all of them); the rendezvous is a file in a
     directory only this user can enter, gone with the executor."""
     llm = LLM(checkpoint, block_size=16, num_kv_blocks=64, tensor_parallel_size=2)
-    executor = llm.engine.runner
+    executor = llm.engine.executor
     addresses = [a for p in executor.procs for a in _listening(p.pid)]
     assert addresses, "no listening socket found: the test reads /proc wrong"
     assert all(a in LOOPBACK for a in addresses), addresses

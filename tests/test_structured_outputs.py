@@ -264,15 +264,15 @@ def test_tensor_parallel_applies_the_mask_on_rank_0():
 
 def test_apply_grammar_bitmask_masks_exactly_the_forbidden_tokens():
     """Against the bit layout spelled out per token: row r allows token t when bit t % 32 of
-    word t // 32 is set; rows without a grammar keep every logit."""
+    word t // 32 is set; rows without a grammar keep every logit (whatever their bitmask row)."""
     torch.manual_seed(0)
     vocab, rows = 1479, [4, 0, 2]
     logits = torch.randn(6, vocab)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
-    masked = apply_grammar_bitmask(logits.clone(), bitmask, torch.tensor(rows))
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32)
+    masked = apply_grammar_bitmask(logits.clone(), bitmask, rows)
     words = bitmask.tolist()
     for r in range(6):
-        row_bits = words[rows.index(r)] if r in rows else None
+        row_bits = words[r] if r in rows else None
         for t in range(vocab):
             allowed = row_bits is None or (row_bits[t // 32] >> (t % 32)) & 1
             assert masked[r, t] == (logits[r, t] if allowed else float("-inf")), (r, t)

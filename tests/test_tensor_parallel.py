@@ -50,7 +50,7 @@ def test_tp2_greedy_equals_tp1_and_hf_and_leaves_no_worker(tp_checkpoint):
     _, tp1 = run(path, prompts, max_tokens)
     llm, tp2 = run(path, prompts, max_tokens, tensor_parallel_size=2)
     assert tp2 == tp1 == [hf_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
-    procs = llm.engine.runner.procs
+    procs = llm.engine.executor.procs
     assert len(procs) == 2 and all(p.is_alive() for p in procs)
     del llm
     gc.collect()
@@ -109,7 +109,7 @@ def test_tp_size_the_heads_cannot_split_is_a_clear_error(tmp_path):
 def test_killed_worker_is_an_error_not_a_hang(tmp_path):
     build_checkpoint(tmp_path, "llama")
     llm = LLM(str(tmp_path), block_size=16, num_kv_blocks=64, tensor_parallel_size=2)
-    procs = llm.engine.runner.procs
+    procs = llm.engine.executor.procs
     os.kill(procs[1].pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(Exception, match="worker rank 1 .*died"):

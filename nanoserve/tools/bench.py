@@ -80,7 +80,8 @@ def useful_flops(hf_config, prompts, output_lens) -> float:
 
 
 def matmul_peak(runner) -> tuple[float, str]:
-    """(FLOP/s, path): the best sustained rate of 512-row products over the model's own layer
+    """`runner`: an executor or a ModelRunner (worker.py's RunnerInfo attributes).
+    (FLOP/s, path): the best sustained rate of 512-row products over the model's own layer
     shapes (this rank's, under tensor parallel), along the path its layers use most (chosen per
     shape at start-up on CPU, cpu/gemm.py; F.linear, i.e. cuBLAS, on CUDA). The LM head is left
     out: it only ever multiplies the rows that sample."""
@@ -135,15 +136,15 @@ def time_workload(llm, prompts, output_lens) -> dict:
     elapsed = _timed(lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                           progress=False))
     steps = engine.scheduler.num_steps - steps_before
-    flops = useful_flops(engine.runner.hf_config, prompts, output_lens)
+    flops = useful_flops(engine.executor.hf_config, prompts, output_lens)
     return {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
             "output_tokens": sum(output_lens), "elapsed_s": elapsed,
             "output_tok_s": sum(output_lens) / elapsed, "steps": steps,
             "mean_batch_size": (engine.num_batched_requests - batched_before) / steps,
             "ms_per_step": {k: 1e3 * v / steps for k, v in engine.timings.items()},
             "model_flop_s": flops / elapsed,
-            "dtype": str(engine.runner.dtype).removeprefix("torch."),
-            "gemm_paths": engine.runner.gemm_paths,
+            "dtype": str(engine.executor.dtype).removeprefix("torch."),
+            "gemm_paths": engine.executor.gemm_paths,
             "threads": torch.get_num_threads(),
             "spec_decode": spec_decode_summary(engine, spec_before)}
 
@@ -164,7 +165,7 @@ def run_bench(model: str | None = None, num_prompts: int = 64, input_len=(32, 51
     """The workload, once, on a fresh engine (so nothing is in its prefix cache)."""
     llm = make_bench_llm(model, dtype, **config)
     prompts, output_lens = make_workload(num_prompts, input_len, output_len,
-                                         llm.engine.runner.vocab_size)
+                                         llm.engine.executor.vocab_size)
     return time_workload(llm, prompts, output_lens)
 
 
@@ -174,9 +175,9 @@ def main(model=None, num_prompts=64, input_len=(32, 512), output_len=(32, 256),
     from rich.table import Table
     llm = make_bench_llm(model, dtype, **config)
     prompts, output_lens = make_workload(num_prompts, tuple(input_len), tuple(output_len),
-                                         llm.engine.runner.vocab_size)
+                                         llm.engine.executor.vocab_size)
     result = time_workload(llm, prompts, output_lens)
-    peak, path = matmul_peak(llm.engine.runner)
+    peak, path = matmul_peak(llm.engine.executor)
     table = Table(title=f"nanoserve bench: {result['requests']} requests, {result['dtype']}, "
                         f"{result['threads']} threads")
     table.add_column("metric")
