@@ -120,7 +120,7 @@ class Probe:
         self._wrap(core.scheduler, "schedule", "schedule", self._record)
         runner = core.executor.model_runner     # the engine's own, in this process
         self._wrap(runner, "prepare_inputs", "prepare inputs")
-        self._wrap(runner.backend, "forward", "forward")    # the model, or the fused step
+        self._wrap(runner.backend, "forward", "forward")    # the model, or its graphs (replays)
         self._wrap(runner, "sampler", "sample")
         self._wrap(core.scheduler, "update", "update", self._tokens)
         self.start = time.perf_counter()

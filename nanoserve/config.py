@@ -56,9 +56,8 @@ class Config:
                                      "or 'fp8' (e4m3; torch._scaled_mm on GPUs with fp8, else "
                                      "widened to --dtype in the product). Activations keep --dtype.",
                                      QUANTIZATION_METHODS)
-    quantize_lm_head: bool = _f(False, "With --quantization: the LM head quantized too, as "
-                                "llama.cpp's quantized models have it (vLLM keeps it in --dtype: "
-                                "the default).")
+    quantize_lm_head: bool = _f(False, "With --quantization: quantize the LM head too, as "
+                                "llama.cpp's Q8_0 does (vLLM keeps it in --dtype: the default).")
     tensor_parallel_size: int = _f(1, "Split the model over this many worker processes "
                                    "(torch.distributed: NCCL, one GPU each; gloo on CPU).")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "

@@ -126,7 +126,7 @@ class ModelRunner:
         try:
             with self.device:
                 model = model_class(self.hf_config, self.tp, quantization,
-                                    lm_head_quantization=quantization if quantize_lm_head else None)
+                                    quantization if quantize_lm_head else None)
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iterate_weights(self.model_path))

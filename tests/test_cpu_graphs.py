@@ -215,6 +215,8 @@ def test_a_step_that_reads_values_is_refused():
         graph.capture(lambda: x * int(x.sum()))
     with pytest.raises(RuntimeError, match="cannot be captured"):
         graph.capture(lambda: x[x > 0])
+    with pytest.raises(RuntimeError, match="several new tensors"):
+        graph.capture(lambda: x.topk(2).values * 2)
 
 
 # ------------------------------------------------------------------------ the engine

@@ -109,6 +109,8 @@ class Recorder(TorchDispatchMode):
         if func._schema.is_mutable:                       # in place, or out=
             self.calls.append(Call(func, args, kwargs))
         elif not all(_address(t) in inputs for t in outputs):   # functional: a new tensor
+            if not isinstance(out, Tensor):
+                raise RuntimeError(f"{func} returns several new tensors: not replayed here")
             self.calls.append(Call(func, args, kwargs, out=out))
         return out                                        # else a view: nothing computed
 

@@ -232,9 +232,8 @@ class LlamaForCausalLM(nn.Module):
     """`tp`: this rank's place in a tensor-parallel group; its modules get `shard_for_tp`'s
     shapes and `load_weights` reads only this rank's slice of each checkpoint tensor.
     `quantization` ('int8', 'fp8', quantization.py): the layers' Linears hold quantized weights,
-    which `load_weights` fills by quantizing each slice as it reads it; the LM head does not,
-    unless `lm_head_quantization` says so (llama.cpp's quantized models quantize it; vLLM's keep
-    it in the model dtype). A quantized head tied to the embedding is its own int8 copy of it."""
+    which `load_weights` fills by quantizing each slice as it reads it; the LM head only with
+    `lm_head_quantization` (as llama.cpp's Q8_0; vLLM keeps it), tied or not (then a copy)."""
 
     def __init__(self, hf_config, tp: TensorParallel = SINGLE, quantization: Optional[str] = None,
                  lm_head_quantization: Optional[str] = None):
