@@ -226,24 +226,27 @@ def fuse_silu(calls: list[Call]) -> list[Call]:
         gemm_amx(x -> y, silu 0); silu_and_mul(y -> out)  becomes  gemm_amx(x -> out, silu 1)
     (gemm_amx takes silu only for an intermediate size a multiple of 16)."""
     users, folded = readers(calls), set()
+
+    def read_by_next_alone(j: int) -> bool:   # call j's output (its last Ref) only call j + 1 reads
+        return users[refs(calls[j])[-1].buffer] == [j, j + 1]
+
     for i, product in enumerate(calls):
         if product.kernel not in PRODUCTS or not isinstance(product.args[6], Ref):
             continue
-        chain = [i]
-        while len(chain) < 3 and users[refs(calls[chain[-1]])[-1].buffer] == [chain[-1], chain[-1] + 1]:
-            chain.append(chain[-1] + 1)
-        last = calls[chain[-1]] if len(chain) > 1 else None
-        if last is None or last.kernel != "silu_and_mul":
+        silu = i + 1 if product.kernel == "gemm_amx" else i + 2      # the kernel paths: a gather
+        if (silu >= len(calls) or calls[silu].kernel != "silu_and_mul"
+                or not all(read_by_next_alone(j) for j in range(i, silu))
+                or (silu == i + 2 and calls[i + 1].fn is not aten.index.Tensor)):
             continue
-        intermediate = last.args[3]
-        if product.kernel == "gemm_amx" and len(chain) == 2 and intermediate % 16 == 0:
-            product.args = (*product.args[:6], last.args[1], *product.args[7:10], 1, *product.args[11:])
-        elif product.kernel != "gemm_amx" and len(chain) == 3 and calls[i + 1].fn is aten.index.Tensor:
-            product.args = (*product.args[:6], last.args[1], product.args[7], intermediate,
+        intermediate, out = calls[silu].args[3], calls[silu].args[1]
+        if product.kernel == "gemm_amx" and intermediate % 16 == 0:
+            product.args = (*product.args[:6], out, *product.args[7:10], 1, *product.args[11:])
+        elif product.kernel != "gemm_amx":
+            product.args = (*product.args[:6], out, product.args[7], intermediate,
                             *product.args[9:11], 1, *product.args[12:])
         else:
             continue
-        folded.update(chain[1:])
+        folded.update(range(i + 1, silu + 1))
     return [call for i, call in enumerate(calls) if i not in folded]
 
 

@@ -49,7 +49,8 @@ def fused_rows(q: Tensor, k: Tensor, v: Tensor) -> Optional[Tensor]:
     n, item = q.shape[0], q.element_size()
     widths = [t[0].numel() if n else 0 for t in (q, k, v)]
     row = sum(widths)
-    same_rows = all(t.stride(0) == row and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
+    # (one token: torch's view may give its size-1 row dimension any stride)
+    same_rows = all((n == 1 or t.stride(0) == row) and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1]
                     for t in (q, k, v))
     adjacent = (k.data_ptr() == q.data_ptr() + widths[0] * item
                 and v.data_ptr() == k.data_ptr() + widths[1] * item

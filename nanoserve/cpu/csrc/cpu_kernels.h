@@ -16,6 +16,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Threads for a parallel loop of n independent rows: no more than there are rows (a decode
+   step of one request wakes no second thread for nothing to do), and at least one. */
+#define THREADS_FOR(n, threads) ((n) < (threads) ? ((n) > 1 ? (n) : 1) : (threads))
+
 /* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even. */
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;

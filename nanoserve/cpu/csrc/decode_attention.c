@@ -305,7 +305,7 @@ int decode_attention(const void *query, void *out, const void *k_cache, const vo
     const int num_q_heads = num_kv_heads * group, q_row = num_q_heads * head_dim;
     const int kv_row = num_kv_heads * head_dim, buf_len = q_row > kv_row ? q_row : kv_row;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic) num_threads(THREADS_FOR(num_tokens, num_threads))
     for (int i = 0; i < num_tokens; i++) {
         const Seq s = {k_cache, v_cache, block_table_rows + (int64_t)i * max_blocks, seq_lens[i],
                        block_size, num_kv_heads, group, head_dim, bf16};

@@ -22,7 +22,7 @@
    updated in place to x + residual, and that is what is normalised. */
 void rms_norm(const void *x, void *residual, const void *weight, void *out, int rows, int dim,
               float eps, int bf16, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(THREADS_FOR(rows, num_threads))
     for (int r = 0; r < rows; r++) {
         float row[dim];
         if (bf16) rms_norm_row(x, residual, weight, out, (int64_t)r * dim, dim, eps, 1, row);

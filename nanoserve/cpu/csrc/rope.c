@@ -63,7 +63,7 @@ void rope_store_kv(const void *qkv, const void *cos, const void *sin, const int6
     const int64_t size = bf16 ? 2 : 4, row = (num_heads + 2 * num_kv_heads) * head_dim * size;
     const int64_t q_row = num_heads * head_dim * size, kv_row = num_kv_heads * head_dim * size;
     const int64_t table_row = head_dim / 2 * size;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(THREADS_FOR(num_tokens, num_threads))
     for (int t = 0; t < num_tokens; t++) {
         /* The bf16 test inside the loop: the parallel body is a function of its own, and only a
            constant argument there gives the compiler its two vectorised copies. */

@@ -33,7 +33,7 @@ activate_row(const void *gate_up, void *out, int64_t row, int dim, const int bf1
 
 /* gate_up: rows x (2 * dim), contiguous, gate first; out: rows x dim. */
 void silu_and_mul(const void *gate_up, void *out, int rows, int dim, int bf16, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(THREADS_FOR(rows, num_threads))
     for (int r = 0; r < rows; r++) {
         if (bf16) activate_row(gate_up, out, r, dim, 1);
         else activate_row(gate_up, out, r, dim, 0);
