@@ -20,8 +20,8 @@ way, and its modules are called as modules, so `register_forward_hook` works on 
     >>> seen
     [torch.Size([2, 4])]
 
-Fusions that span ops (a norm inside the next product, a whole decode step as one loop of C calls)
-are no op's business: a backend builds them from the plain model's weights, as vLLM builds CUDA
+Whatever spans ops (a whole decode step as one loop of C calls, a fusion of two ops) is no op's
+business: a backend builds them from the plain model's weights, as vLLM builds CUDA
 graphs from its eager model, and gives the model runner the fused step as `Backend.forward`.
 
     pytest -q tests/test_models.py        # the model on these ops == HF transformers

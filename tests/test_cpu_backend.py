@@ -1,10 +1,7 @@
 """The CPU backend (nanoserve/cpu/): each CPU form == the torch reference it replaces.
 
     gemm.py     every product path (torch, oneDNN, gemm.c, AMX): `.product(x)` == F.linear, the
-                Linear op's forward_native; `gemm(x)` of a gate_up built with silu_and_mul ==
-                F.linear, then SiluAndMul's forward_native; gemm.c with a norm folded in (what
-                cpu/graphs.py's passes make) == the RMSNorm's forward_native, then F.linear;
-                choose_cpu_gemms on a tiny Llama
+                Linear op's forward_native, on ragged shapes too; choose_cpu_gemms on a tiny Llama
     ops.py      rms_norm, silu_and_mul, rope_store_kv (and the raw C kernels under them) == the
                 ops' forward_native, and the fallback to it where a kernel cannot take the tensors
     backend.py  bind gives every op its CPU form; without the kernels, the torch reference stays
@@ -42,12 +39,12 @@ PATH_CLASS = {"torch": TorchGemm, "onednn": PackedGemm, "onednn-fp32": PackedGem
               "kernel": KernelGemm, "amx": AmxGemm}
 
 
-def runnable_gemms(dtype, weight, bias, silu_and_mul=False):
+def runnable_gemms(dtype, weight, bias):
     """(path, Gemm) for every candidate path this machine can run."""
     gemms = []
     for path in candidate_paths(dtype):
         try:
-            gemms.append((path, make_gemm(path, weight, bias, silu_and_mul)))
+            gemms.append((path, make_gemm(path, weight, bias)))
         except RuntimeError:        # e.g. oneDNN bf16 on a CPU without AVX-512
             continue
     return gemms
@@ -67,7 +64,7 @@ def random_norm(dim, dtype, gen):
 def test_every_cpu_gemm_path_equals_f_linear(dtype, bias):
     """Each path this machine can run (oneDNN packed, packed float32 for bf16, gemm.c, torch)
     gives F.linear's numbers through `.product(x)`, within the dtype's rounding, for decode- and
-    prefill-sized row counts; the fused form with no norm and no silu is the same product."""
+    prefill-sized row counts."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 96, generator=gen).to(dtype)
     b = torch.randn(40, generator=gen).to(dtype) if bias else None
@@ -81,7 +78,6 @@ def test_every_cpu_gemm_path_equals_f_linear(dtype, bias):
             tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=2**-7)
             torch.testing.assert_close(out.double(), exact, **tol)
             torch.testing.assert_close(out, F.linear(x, weight, b), **tol)
-            assert torch.equal(gemm(x), out), path
     paths = [path for path, _ in gemms]
     assert len(paths) >= 2 or not torch.backends.mkldnn.is_available()
     assert "kernel" in paths or cpu_kernels.load() is None
@@ -91,8 +87,8 @@ def test_every_cpu_gemm_path_equals_f_linear(dtype, bias):
 def test_gemm_pack_writes_its_padding_as_zeros():
     """bf16 with an odd number of inputs: the last pair's second half, and the columns past the
     last output, are multiplied too (by zeros of x); packed into memory full of NaN (what an
-    unwritten pad might hold: NaN x 0 is NaN), they must come out 0. This once made the two
-    odd-input bf16 tests below fail now and then."""
+    unwritten pad might hold: NaN x 0 is NaN), they must come out 0. This once made the odd-input
+    bf16 tests fail now and then."""
     kernels, width = cpu_kernels.load(), cpu_kernels.load().gemm_panel_width()
     weight = torch.randn(5, 3).to(torch.bfloat16)
     packed = torch.full((width * 4,), float("nan"), dtype=torch.bfloat16)
@@ -136,139 +132,6 @@ def test_gemm_kernel_equals_f_linear_on_ragged_shapes(dtype, shape):
             assert_bf16_product(out, x, weight, bias, ref)
 
 
-GATE_UP_SHAPES = [(1, 33), (20, 64), (24, 33), (50, 64), (96, 96)]   # (intermediate, in_features)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("intermediate, in_features", GATE_UP_SHAPES)
-def test_every_cpu_gemm_path_with_silu_and_mul_equals_torch(dtype, intermediate, in_features):
-    """A gate_up gemm built with silu_and_mul, its fused form `gemm(x)`, on every path this
-    machine runs, against F.linear then SiluAndMul.forward_native. gemm.c applies it to its tiles,
-    whose panels hold half gate and half up columns (csrc/gemm.c's panel is 48 or 24 columns):
-    intermediate sizes that fill no panel, exactly one, or leave a part-filled one, with a bias
-    and row counts that leave part-filled row tiles. float32 within float32 rounding (sums in
-    another order, the C exp is not torch's); bf16 nearly always to the bit, else one bf16 step
-    (a product or a silu on a rounding edge)."""
-    gen = torch.Generator().manual_seed(2)
-    weight = (torch.randn(2 * intermediate, in_features, generator=gen) / 4).to(dtype)
-    bias = torch.randn(2 * intermediate, generator=gen).to(dtype)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2**-6)
-    gemms = runnable_gemms(dtype, weight, bias, silu_and_mul=True)
-    assert "kernel" in dict(gemms) or cpu_kernels.load() is None
-    for path, gemm in gemms:
-        assert gemm.silu_and_mul, path
-        same = []
-        for rows in (1, 7, 64, 300):
-            x = torch.randn(rows, in_features, generator=gen).to(dtype)
-            expected, out = NATIVE_SILU_AND_MUL(F.linear(x, weight, bias)), gemm(x)
-            assert out.dtype == dtype and out.shape == (rows, intermediate) and out.is_contiguous(), path
-            torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"{path}, {rows} rows: {m}")
-            same.append((out == expected).flatten())
-        # Over all row counts: a single row of 24 values has too few for a fraction.
-        assert dtype == torch.float32 or torch.cat(same).float().mean() > 0.95, path
-
-
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("intermediate, in_features", GATE_UP_SHAPES)
-def test_kernel_gemm_built_for_silu_and_mul_still_gives_gate_up_in_the_weights_order(
-        dtype, intermediate, in_features):
-    """A gate_up KernelGemm built with silu_and_mul packs gate_up's rows in panel order (half gate,
-    half up per panel, zero rows to fill the last); its `.product(x)`, the Linear op's form, must
-    still be F.linear's gate_up, every column where the weight has it: [gate | up], 2 *
-    intermediate wide, the panel order undone and the padding dropped."""
-    gen = torch.Generator().manual_seed(6)
-    weight = (torch.randn(2 * intermediate, in_features, generator=gen) / 4).to(dtype)
-    bias = torch.randn(2 * intermediate, generator=gen).to(dtype)
-    gemm = make_gemm("kernel", weight, bias, silu_and_mul=True)
-    assert isinstance(gemm, KernelGemm) and gemm.silu_and_mul
-    for rows in (1, 7, 64, 300):
-        x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        out, ref = gemm.product(x), F.linear(x, weight, bias)
-        assert out.dtype == dtype and out.shape == (rows, 2 * intermediate)
-        if dtype == torch.float32:
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        else:
-            assert_bf16_product(out, x, weight, bias, ref)
-
-
-def folded(gemm, x, norm, residual=None):
-    """gemm.c's call with the norm folded in (what cpu/graphs.py's fuse_norms makes of a norm and
-    the product after it), through the Python wrappers of its kernel (kernel, int8, amx)."""
-    if isinstance(gemm, AmxGemm):
-        return cpu_kernels.gemm_amx(x, gemm.weight, gemm.bias_f32, norm, residual, gemm.silu_and_mul)
-    return cpu_kernels.gemm(x, gemm.packed, gemm.bias, gemm.out_features, gemm.silu_and_mul, norm,
-                            residual, gemm.scales, gemm.register_rows)
-
-
-def c_gemms(gemms):
-    return [(path, gemm) for path, gemm in gemms if isinstance(gemm, (KernelGemm, AmxGemm))]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_gemm_c_with_norm_equals_norm_then_product(dtype, with_residual):
-    """gemm.c with a norm (fuse_norms' form): the product of RMSNorm(x + residual) on the paths of
-    gemm.c this machine runs (it normalises the rows as it copies them), against the norm's
-    forward_native and then F.linear, with the residual updated in place to the same bits.
-    in_features 97: a row's last values go one by one, and bf16 pairs an odd count (the AMX loop
-    takes multiples of 32: 96 for it)."""
-    gen = torch.Generator().manual_seed(3)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=2**-7)
-    checked = 0
-    for width in (97, 96):
-        norm = random_norm(width, dtype, gen)
-        weight = (torch.randn(40, width, generator=gen) / 8).to(dtype)
-        bias = torch.randn(40, generator=gen).to(dtype)
-        for path, gemm in c_gemms(runnable_gemms(dtype, weight, bias)):
-            for rows in (1, 7, 64, 300):
-                x = (3 * torch.randn(rows, width, generator=gen)).to(dtype)
-                residual = torch.randn(rows, width, generator=gen).to(dtype) if with_residual else None
-                theirs = None if residual is None else residual.clone()
-                with torch.inference_mode():
-                    out = folded(gemm, x, norm, residual)
-                    if out is None:          # the AMX loop refuses 97 inputs
-                        continue
-                    normed = norm.forward_native(x) if theirs is None else norm.forward_native(x, theirs)[0]
-                    expected = F.linear(normed, weight, bias)
-                torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"{path}, {rows} rows: {m}")
-                assert residual is None or torch.equal(residual, theirs), path
-                checked += 1
-    assert checked or cpu_kernels.load() is None
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_cpu_gemm_path_ends_gate_up_in_silu_and_mul(dtype):
-    """A gate_up gemm built with silu_and_mul: `gemm(x)` (the replayed step's form, fuse_silu's
-    on gemm.c) is silu(gate) * up of the product, on every path; and with a norm folded in too,
-    on gemm.c's, the residual to the same bits."""
-    gen = torch.Generator().manual_seed(7)
-    norm = random_norm(64, dtype, gen)
-    weight = (torch.randn(100, 64, generator=gen) / 8).to(dtype)
-    bias = torch.randn(100, generator=gen).to(dtype)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=2**-6)
-    gemms = runnable_gemms(dtype, weight, bias, silu_and_mul=True)
-    for path, gemm in gemms:
-        for rows in (1, 7, 300):
-            x = (3 * torch.randn(rows, 64, generator=gen)).to(dtype)
-            with torch.inference_mode():
-                out, expected = gemm(x), NATIVE_SILU_AND_MUL(F.linear(x, weight, bias))
-            assert out.shape == (rows, 50), path
-            torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"{path}, {rows} rows: {m}")
-    for path, gemm in c_gemms(gemms):
-        for rows in (1, 7, 300):
-            x = (3 * torch.randn(rows, 64, generator=gen)).to(dtype)
-            residual = torch.randn(rows, 64, generator=gen).to(dtype)
-            theirs = residual.clone()
-            with torch.inference_mode():
-                out = folded(gemm, x, norm, residual)
-                expected = NATIVE_SILU_AND_MUL(F.linear(norm.forward_native(x, theirs)[0], weight, bias))
-            if out is None:                  # the AMX loop's silu needs 16 | out / 2: 50 is not
-                continue
-            torch.testing.assert_close(out, expected, **tol, msg=lambda m: f"{path}, {rows} rows: {m}")
-            assert torch.equal(residual, theirs), path
-
-
 @needs_amx
 @pytest.mark.parametrize("shape", [(17, 32), (40, 96), (100, 64)])
 def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):
@@ -286,63 +149,8 @@ def test_gemm_amx_equals_f_linear_on_ragged_shapes(shape):
         out, ref = gemm.product(x), F.linear(x, weight, bias)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
         assert_bf16_product(out, x, weight, bias, ref)
-        assert torch.equal(gemm(x), out)
     above = AmxGemm(weight, bias, loop_rows=0)   # every row count to F.linear
     assert torch.equal(above.product(x), ref)
-
-
-@needs_amx
-@pytest.mark.parametrize("intermediate", [48, 40])
-def test_gemm_amx_silu_and_mul_equals_product_then_silu(intermediate):
-    """gate_up on the AMX loop with silu_and_mul (silu(gate) * up from each pair of gate and up sum
-    tiles) against the loop's gate_up product, stored in bf16, and then ops.silu_and_mul: the same
-    bits, since the pair is rounded as the product's store rounds it. 40: no whole number of
-    blocks of 16, so the loop refuses and F.linear, then silu_and_mul, run instead. `.product`
-    of the silu_and_mul gemm is the plain gate_up (the AMX path keeps the weight as it is)."""
-    gen = torch.Generator().manual_seed(5)
-    weight = (torch.randn(2 * intermediate, 96, generator=gen) / 8).to(torch.bfloat16)
-    bias = torch.randn(2 * intermediate, generator=gen).to(torch.bfloat16)
-    fused = AmxGemm(weight, bias, loop_rows=1 << 30, silu_and_mul=True)
-    product = AmxGemm(weight, bias, loop_rows=1 << 30)
-    for rows in (1, 7, 16, 17, 64, 300):
-        x = (3 * torch.randn(rows, 96, generator=gen)).to(torch.bfloat16)
-        gate_up = product.product(x)
-        out, expected = fused(x), ops.silu_and_mul(gate_up)
-        assert out.shape == (rows, intermediate)
-        assert torch.equal(fused.product(x), gate_up)
-        if intermediate % 16 == 0:
-            assert torch.equal(out, expected), rows
-        else:
-            torch.testing.assert_close(out, expected, atol=0.05, rtol=2**-6)
-
-
-@needs_amx
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_gemm_amx_with_norm_equals_norm_then_f_linear(with_residual):
-    """The AMX loop's `norm` (its rows normalised as they are copied, the residual updated in
-    place; fuse_norms' form): against the norm's forward_native, then F.linear, the residual to the
-    same bits. 100 outputs, 96 inputs: the ragged test's edges. A gate_up's loop ends the same in
-    silu * up."""
-    gen = torch.Generator().manual_seed(4)
-    norm = random_norm(96, torch.bfloat16, gen)
-    weight = (torch.randn(100, 96, generator=gen) / 8).to(torch.bfloat16)
-    bias = torch.randn(100, generator=gen).to(torch.bfloat16)
-    gemm = AmxGemm(weight, bias, loop_rows=1 << 30)
-    for rows in (1, 7, 16, 64, 300):
-        x = (3 * torch.randn(rows, 96, generator=gen)).to(torch.bfloat16)
-        residual = torch.randn(rows, 96, generator=gen).to(torch.bfloat16) if with_residual else None
-        theirs = None if residual is None else residual.clone()
-        with torch.inference_mode():
-            out = folded(gemm, x, norm, residual)
-            normed = norm.forward_native(x) if theirs is None else norm.forward_native(x, theirs)[0]
-            expected = F.linear(normed, weight, bias)
-        torch.testing.assert_close(out, expected, atol=0.05, rtol=2**-7)
-        assert residual is None or torch.equal(residual, theirs)
-    gate_up = make_gemm("amx", weight[:96], bias[:96], silu_and_mul=True)
-    x = (3 * torch.randn(7, 96, generator=gen)).to(torch.bfloat16)
-    with torch.inference_mode():
-        expected = NATIVE_SILU_AND_MUL(F.linear(norm.forward_native(x), weight[:96], bias[:96]))
-        torch.testing.assert_close(folded(gate_up, x, norm), expected, atol=0.05, rtol=2**-6)
 
 
 @needs_amx
@@ -352,7 +160,6 @@ def test_gemm_amx_refuses_what_it_cannot_multiply():
     with pytest.raises(RuntimeError):                  # float32: AMX multiplies bf16 only
         make_gemm("amx", torch.randn(16, 64), None)
     assert amx_loop_rows(64, 64) in (0, 8, 16, 32, 64, 128, 256, 512)
-    assert amx_loop_rows(64, 64, silu_and_mul=True) in (0, 8, 16, 32, 64, 128, 256, 512)
 
 
 # -- gemm.py: choose_cpu_gemms on a model ------------------------------------------------------
@@ -379,35 +186,27 @@ def linears_of(model) -> dict[str, Linear]:
 SMALL = dict(max_num_batched_tokens=64, max_num_seqs=8)   # timed at 1, 8, 64 rows: quick
 
 
-@pytest.mark.parametrize("silu_fused", [False, True])
-def test_choose_cpu_gemms_gives_each_shape_one_timed_path(silu_fused):
+def test_choose_cpu_gemms_gives_each_shape_one_timed_path():
     """Every Linear gets a gemm on the path timed for its shape (one label, one path, for all
     the Linears of a shape: the tied LM head shares qkv's), each path one this CPU offers, each
-    product F.linear's on the layer's own weight; gate_up is built for silu(gate) * up, and
-    labelled so, only for a captured step's fuse_silu."""
+    product F.linear's on the layer's own weight."""
     model = tiny_llama(tie=True, bias=True)
     linears = linears_of(model)
     weights = {m: (m.weight.detach().clone(), m.bias) for m in linears.values()}
-    gemms, labels = choose_cpu_gemms(model, Config(**SMALL), silu_fused=silu_fused)
+    gemms, labels = choose_cpu_gemms(model, Config(**SMALL))
     assert set(gemms) == set(linears.values())
     assert set(labels.values()) <= set(candidate_paths(torch.float32))
     expected_labels = set()
     gen = torch.Generator().manual_seed(0)
     for name, layer in linears.items():
-        silu = silu_fused and name.endswith("gate_up_proj")
-        label = gemm_label(layer, torch.float32) + (" silu_and_mul" if silu else "")
+        label = gemm_label(layer, torch.float32)
         expected_labels.add(label)
         gemm = gemms[layer]
         assert isinstance(gemm, PATH_CLASS[labels[label]]), name
-        assert gemm.silu_and_mul == silu, name
         weight, bias = weights[layer]
         x = torch.randn(3, layer.in_features, generator=gen)
         torch.testing.assert_close(gemm.product(x), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
-        if silu:
-            torch.testing.assert_close(gemm(x), NATIVE_SILU_AND_MUL(F.linear(x, weight, bias)),
-                                       atol=1e-4, rtol=1e-5)
     assert set(labels) == expected_labels
-    assert ("64x192 float32 silu_and_mul" in labels) == silu_fused
     assert "64x128 float32" in labels and len(labels) == 4      # qkv and the LM head: one shape
     # Choosing leaves the Linears as they were (bind is what hands their weights to the gemms).
     assert all(layer.weight is not None and layer.impl == layer.forward_native for layer in linears.values())
@@ -421,7 +220,7 @@ def test_choose_cpu_gemms_gives_each_shape_one_timed_path(silu_fused):
 ])
 def test_forced_cpu_gemm_path(forced, expected):
     model = tiny_llama()
-    gemms, labels = choose_cpu_gemms(model, Config(cpu_gemm=forced, **SMALL), silu_fused=True)
+    gemms, labels = choose_cpu_gemms(model, Config(cpu_gemm=forced, **SMALL))
     assert set(labels.values()) == {expected}
     assert all(isinstance(gemm, PATH_CLASS[expected]) for gemm in gemms.values())
     assert len(gemms) == len(linears_of(model))

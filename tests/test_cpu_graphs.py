@@ -1,9 +1,8 @@
 """Capture and replay on the CPU (cpu/graphs.py): a replayed decode step equals the same step run
 eagerly, to the bit, in its output and in the KV cache it writes, on every product path, with and
-without the norm folded into the products; what is recorded is the model's own forward; a replay
-allocates nothing and its memory is shared; a step that reads values is refused; and the engine
-with capture gives the tokens it gives with --enforce-eager, with mixed and speculative steps
-eager.
+without biases; what is recorded is the model's own forward, op for op; a replay allocates
+nothing and its memory is shared; a step that reads values is refused; and the engine with capture
+gives the tokens it gives with --enforce-eager, with mixed and speculative steps eager.
 
     pytest -q tests/test_cpu_graphs.py
 """
@@ -106,12 +105,10 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("dtype, path", PATHS)
-@pytest.mark.parametrize("fusion, bias", [("norms,silu", False), ("norms,silu", True), ("norms", False),
-                                          ("silu", False), ("0", False)])
-def test_replay_equals_eager_to_the_bit(dtype, path, fusion, bias, monkeypatch):
+@pytest.mark.parametrize("bias", [False, True])
+def test_replay_equals_eager_to_the_bit(dtype, path, bias, monkeypatch):
     if path == "amx" and not cpu_kernels.gemm_amx_ready():
         pytest.skip("no AMX on this CPU")
-    monkeypatch.setenv("NANOSERVE_CPU_FUSION", fusion)
     counting = Counting(monkeypatch)
     replayed = run(make_model(dtype, bias=bias), dtype, path, eager=False)
     assert counting.replays == 4           # the 4 decode-only steps; the prefill and mixed ones eager
@@ -143,11 +140,9 @@ def captured(dtype=torch.float32, path="kernel", model=None):
 
 
 @pytest.mark.parametrize("dtype, path, gemm", [(torch.float32, "kernel", "gemm"), (torch.bfloat16, "amx", "gemm_amx")])
-def test_what_is_recorded_is_the_models_forward(dtype, path, gemm, monkeypatch):
+def test_what_is_recorded_is_the_models_forward(dtype, path, gemm):
     """A forward hook on a layer fires during the capture (once per size: the model ran); the
-    record is the layer's ops in the model's order, the norms folded into the products after them
-    (the final norm has none after it) and silu(gate) * up into gate_up's, or left as they are
-    with NANOSERVE_CPU_FUSION=0."""
+    record is the layer's ops in the model's order, as the model calls them."""
     if path == "amx" and not cpu_kernels.gemm_amx_ready():
         pytest.skip("no AMX on this CPU")
     model, seen = make_model(dtype), []
@@ -158,13 +153,9 @@ def test_what_is_recorded_is_the_models_forward(dtype, path, gemm, monkeypatch):
     for size in (8, 1):     # 1 row too: a view may give a size-1 dimension any stride
         graph = backend.forward.graphs[size][0]
         kernels = [call.kernel for call in graph.record if call.kernel]
-        assert kernels == [gemm, "rope_store_kv", "decode_attention", gemm, gemm, gemm] * layers + ["rms_norm"]
+        assert kernels == ["rms_norm", gemm, "rope_store_kv", "decode_attention", gemm, "rms_norm", gemm,
+                           "silu_and_mul", gemm] * layers + ["rms_norm"]
         assert [str(call.fn) for call in graph.record if not call.kernel][-1] == "aten.index.Tensor"
-    monkeypatch.setenv("NANOSERVE_CPU_FUSION", "0")
-    _, backend, _, _ = captured(dtype, path)
-    kernels = [call.kernel for call in backend.forward.graphs[8][0].record if call.kernel]
-    assert kernels == ["rms_norm", gemm, "rope_store_kv", "decode_attention", gemm, "rms_norm", gemm,
-                       "silu_and_mul", gemm] * layers + ["rms_norm"]
 
 
 class Allocations(TorchDispatchMode):

@@ -28,7 +28,7 @@ import torch
 from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.cpu.gemm import choose_cpu_gemms
-from nanoserve.cpu.graphs import CpuGraph, fusion_passes
+from nanoserve.cpu.graphs import CpuGraph
 from nanoserve.cpu.host_memory import keep_freed_memory, new_kv_cache
 from nanoserve.cpu.ops import CpuAttentionMetadata, attention, rms_norm, rope_store_kv, silu_and_mul
 from nanoserve.graph_capture import GraphWrapper
@@ -50,8 +50,7 @@ def bind(model, config: Config) -> Optional[Backend]:
     capturable = (config.tensor_parallel_size == 1
                   and model.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
     sizes = config.cudagraph_capture_sizes if capturable else []
-    # gate_up packed for graphs.py's fuse_silu: only worth its gather where steps replay
-    gemms, gemm_paths = choose_cpu_gemms(model, config, silu_fused=bool(sizes) and "silu" in fusion_passes())
+    gemms, gemm_paths = choose_cpu_gemms(model, config)
     for module in model.modules():
         if isinstance(module, Linear):
             module.impl, module.weight = gemms[module].product, None   # the gemm holds what it needs

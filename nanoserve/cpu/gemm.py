@@ -21,17 +21,12 @@ model's real shapes and row counts, on this machine, and gives each Linear the f
                    peak (Zen 4: 1-64 rows 1.1-1.6x faster than oneDNN's; both at peak from 256).
     amx            bf16 on a CPU with AMX, the weight kept as it is: up to a row count measured at
                    start-up (`amx_loop_rows`) gemm.c's AMX loop, streaming it at near memory speed
-                   (a decode step's rows), above it F.linear on the same tensor (prefill). The
-                   loop ends gate_up in silu(gate) * up itself, as the kernel path does.
+                   (a decode step's rows), above it F.linear on the same tensor (prefill).
     --quantization int8: torch (dequantize, then F.linear), int8pack (torch's _weight_int8pack_mm)
     and kernel (gemm.c's gemm_int8, Int8KernelGemm); fp8: torch alone (no CPU multiplies fp8).
 
-Each path is a `Gemm` with two forms of its product: `product(x)`, the Linear op's (what
-layers.Linear.forward_native computes), and `gemm(x)`, the form a captured decode step replays
-(cpu/graphs.py), which for a gate_up built with `silu_and_mul` ends in silu(gate) * up. gemm.c (the
-`kernel` and `amx` paths) applies it to its tiles, so gate_up is never stored (graphs.py's
-fuse_silu rewrites the recorded call into that form; the norm before a product is folded into
-gemm.c's call the same way, fuse_norms); the other paths apply it after the product.
+Each path is a `Gemm` whose `product(x)` is the Linear op's (what layers.Linear.forward_native
+computes); a captured decode step replays the same calls (cpu/graphs.py).
 
     >>> choose_cpu_gemms(model, Config())                          # doctest: +SKIP
     ({<Linear>: <KernelGemm>, ...}, {'576x1536 float32': 'kernel', ...})
@@ -47,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,30 +50,22 @@ from torch import Tensor
 
 from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
-from nanoserve.cpu.ops import silu_and_mul
 from nanoserve.layers import Linear, gemm_label
 from nanoserve.quantization import dequantize, quantize
 
 
 class Gemm:
-    """One Linear's product on one path. `product(x)`: x @ W.T + b. `gemm(x)`: the replayed
-    step's form (the module docstring); here, for the paths whose product cannot end in it,
-    silu(gate) * up after the product."""
-    silu_and_mul = False
+    """One Linear's product on one path. `product(x)`: x @ W.T + b."""
 
     def product(self, x: Tensor) -> Tensor:
         raise NotImplementedError
-
-    def __call__(self, x: Tensor) -> Tensor:
-        y = self.product(x)
-        return silu_and_mul(y) if self.silu_and_mul else y
 
 
 class TorchGemm(Gemm):
     """F.linear on the weight as it is (MKL; oneDNN inside torch for bf16)."""
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
-        self.weight, self.bias, self.silu_and_mul = weight, bias, silu_and_mul
+    def __init__(self, weight: Tensor, bias: Optional[Tensor]):
+        self.weight, self.bias = weight, bias
         self.nbytes = weight.numel() * weight.element_size()   # the weight it holds (no copy)
 
     def product(self, x: Tensor) -> Tensor:
@@ -88,9 +75,8 @@ class TorchGemm(Gemm):
 class PackedGemm(Gemm):
     """x @ W.T + b with W packed once into oneDNN's blocked layout, in dtype `compute`."""
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], compute: torch.dtype,
-                 silu_and_mul: bool = False):
-        self.compute, self.silu_and_mul = compute, silu_and_mul
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], compute: torch.dtype):
+        self.compute = compute
         # batch_size None: packed for any row count (a decode batch changes size every step).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute), None)
         self.bias = None if bias is None else bias.detach().to(compute)
@@ -103,34 +89,21 @@ class PackedGemm(Gemm):
 
 
 class KernelGemm(Gemm):
-    """x @ W.T + b with csrc/gemm.c, W packed once into its panels (cpu_kernels.gemm_pack).
-    silu_and_mul: gate_up's rows packed in the order that lets a tile end in silu(gate) * up; the
-    plain product then comes out in that order, and `product` puts its columns back in W's."""
+    """x @ W.T + b with csrc/gemm.c, W packed once into its panels (cpu_kernels.gemm_pack)."""
 
     scales, register_rows = None, 0   # an int8 weight's (Int8KernelGemm)
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
-        self.packed, self.bias, row_order = cpu_kernels.gemm_pack(weight.detach(), bias, silu_and_mul)
-        self._finish(weight.shape, row_order, silu_and_mul)
+    def __init__(self, weight: Tensor, bias: Optional[Tensor]):
+        self.packed, self.bias = cpu_kernels.gemm_pack(weight.detach(), bias)
+        self._finish(weight.shape)
 
-    def _finish(self, shape, row_order: Tensor, silu_and_mul: bool) -> None:
-        self.silu_and_mul, self.packed_rows = silu_and_mul, len(row_order)
-        self.in_features = shape[1]
-        self.out_features = shape[0] // 2 if silu_and_mul else shape[0]
-        # Where each of W's rows went (padding rows, at the end of the sort, are left out).
-        self.columns = torch.argsort(row_order, stable=True)[:shape[0]] if silu_and_mul else None
+    def _finish(self, shape) -> None:
+        self.out_features, self.in_features = shape
         self.nbytes = self.packed.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
     def product(self, x: Tensor) -> Tensor:
-        if not self.silu_and_mul:
-            return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, scales=self.scales,
-                                    register_rows=self.register_rows)
-        return cpu_kernels.gemm(x, self.packed, self.bias, self.packed_rows, scales=self.scales,
-                                register_rows=self.register_rows)[..., self.columns]
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, self.silu_and_mul,
-                                scales=self.scales, register_rows=self.register_rows)
+        return cpu_kernels.gemm(x, self.packed, self.bias, self.out_features, scales=self.scales,
+                                register_rows=self.register_rows)
 
 
 class Int8KernelGemm(KernelGemm):
@@ -140,28 +113,25 @@ class Int8KernelGemm(KernelGemm):
     gemm.c says); above, a panel at a time widens into cache. `dtype`: the model's, which x must be."""
 
     def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype,
-                 silu_and_mul: bool = False, register_rows: Optional[int] = None):
+                 register_rows: Optional[int] = None):
         if dtype not in (torch.float32, torch.bfloat16):
             raise RuntimeError("the C int8 GEMM takes float32 or bf16 activations")
         self.dtype = dtype
-        self.packed, self.scales, self.bias, row_order = cpu_kernels.gemm_pack_int8(
-            weight.detach(), scale, bias, silu_and_mul, pairs=dtype == torch.bfloat16)
-        self._finish(weight.shape, row_order, silu_and_mul)
+        self.packed, self.scales, self.bias = cpu_kernels.gemm_pack_int8(
+            weight.detach(), scale, bias, pairs=dtype == torch.bfloat16)
+        self._finish(weight.shape)
         self.register_rows = register_rows if register_rows is not None else int8_register_rows(
-            *weight.shape, dtype, silu_and_mul)
+            *weight.shape, dtype)
 
     def product(self, x: Tensor) -> Tensor:
         return super().product(x.to(self.dtype))
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return super().__call__(x.to(self.dtype))
 
 
 NO_ROW_LIMIT = 1 << 30   # more rows than any batch has
 
 
 @functools.lru_cache(maxsize=None)
-def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, silu_and_mul: bool = False,
+def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype,
                        probes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512)) -> int:
     """The most rows up to which gemm.c's in-register int8 form beats its widened-panel form on
     this CPU: the last of `probes` before the first it loses (random int8 weight of this shape, the
@@ -169,7 +139,7 @@ def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, 
     VNNI and the vector width move it from CPU to CPU (a Zen 4 with VNNI: no limit)."""
     weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
     scale, rows = torch.rand(out_features), 0
-    forms = {name: Int8KernelGemm(weight, scale, None, dtype, silu_and_mul, register_rows=limit)
+    forms = {name: Int8KernelGemm(weight, scale, None, dtype, register_rows=limit).product
              for name, limit in (("registers", NO_ROW_LIMIT), ("panels", 0))}
     for m in probes:
         seconds = _interleaved_seconds(forms, torch.randn(m, in_features, dtype=dtype), 2)
@@ -182,8 +152,8 @@ def int8_register_rows(out_features: int, in_features: int, dtype: torch.dtype, 
 class DequantizeGemm(Gemm):
     """A quantized weight's torch reference (layers.Linear.forward_native): widened to the rows'
     dtype inside every product, then F.linear. The only CPU path for fp8 (no CPU fp8 product)."""
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False):
-        self.weight, self.scale, self.bias, self.silu_and_mul = weight, scale, bias, silu_and_mul
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor]):
+        self.weight, self.scale, self.bias = weight, scale, bias
         self.nbytes = weight.numel() + scale.numel() * 4
 
     def product(self, x: Tensor) -> Tensor:
@@ -194,11 +164,10 @@ class Int8PackGemm(Gemm):
     """torch's own int8 weight-only product, aten._weight_int8pack_mm (x in bf16 or float32, W int8
     [out, in], a scale per output channel). In bf16 it needs in_features a multiple of 32 (torch
     2.13: K = 8 crashes, K = 33 gives NaN), so it refuses other shapes."""
-    def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype,
-                 silu_and_mul: bool = False):
+    def __init__(self, weight: Tensor, scale: Tensor, bias: Optional[Tensor], dtype: torch.dtype):
         if dtype not in (torch.float32, torch.bfloat16) or (dtype != torch.float32 and weight.shape[1] % 32):
             raise RuntimeError("_weight_int8pack_mm needs float32, or bf16 with in_features % 32 == 0")
-        self.weight, self.dtype, self.bias, self.silu_and_mul = weight.contiguous(), dtype, bias, silu_and_mul
+        self.weight, self.dtype, self.bias = weight.contiguous(), dtype, bias
         self.scale, self.nbytes = scale.to(dtype), weight.numel() + scale.numel() * 4   # scales in x's dtype
 
     def product(self, x: Tensor) -> Tensor:
@@ -209,70 +178,57 @@ class Int8PackGemm(Gemm):
 
 class AmxGemm(Gemm):
     """x @ W.T + b in bf16 with W as it is: up to `loop_rows` rows by gemm.c's AMX loop
-    (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows).
-    silu_and_mul: W is gate_up, and `gemm(x)` ends in silu(gate) * up (the loop applies it to
-    its sums; after F.linear it is a pass of its own)."""
+    (cpu_kernels.gemm_amx), more by F.linear. `loop_rows` None: measured (amx_loop_rows)."""
 
-    def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None,
-                 silu_and_mul: bool = False):
+    def __init__(self, weight: Tensor, bias: Optional[Tensor], loop_rows: Optional[int] = None):
         if weight.dtype != torch.bfloat16 or weight.shape[1] % 32 or not cpu_kernels.gemm_amx_ready():
             raise RuntimeError("the AMX product needs bf16, inputs a multiple of 32 and a CPU with AMX")
-        self.weight, self.bias, self.silu_and_mul = weight.detach().contiguous(), bias, silu_and_mul
+        self.weight, self.bias = weight.detach().contiguous(), bias
         self.bias_f32 = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
-        self.loop_rows = amx_loop_rows(*weight.shape, silu_and_mul) if loop_rows is None else loop_rows
+        self.loop_rows = amx_loop_rows(*weight.shape) if loop_rows is None else loop_rows
         self.nbytes = weight.numel() * weight.element_size()   # the weight it holds (no copy)
 
-    def _loop(self, x: Tensor, silu: bool) -> Optional[Tensor]:
-        """The AMX loop's product, or None above its rows (or out of memory for its buffers)."""
-        if x.numel() > self.loop_rows * x.shape[-1]:
-            return None
-        return cpu_kernels.gemm_amx(x, self.weight, self.bias_f32, silu_and_mul=silu)
-
     def product(self, x: Tensor) -> Tensor:
-        y = self._loop(x, False)
+        # the AMX loop up to its rows (None: out of memory for its buffers), F.linear above them
+        y = (cpu_kernels.gemm_amx(x, self.weight, self.bias_f32)
+             if x.numel() <= self.loop_rows * x.shape[-1] else None)
         return F.linear(x, self.weight, self.bias) if y is None else y
 
-    def __call__(self, x: Tensor) -> Tensor:
-        y = self._loop(x, self.silu_and_mul)
-        return super().__call__(x) if y is None else y
 
-
-def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False,
-              scale: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> Gemm:
+def make_gemm(path: str, weight: Tensor, bias: Optional[Tensor], scale: Optional[Tensor] = None,
+              dtype: Optional[torch.dtype] = None) -> Gemm:
     """The product of `weight` and `bias` along `path`. Raises RuntimeError where this machine
     cannot do it (oneDNN bf16 without AVX-512 or AVX-NE-CONVERT; no C compiler; no AMX).
     scale: `weight` is quantized (int8 or fp8, one scale per row) and `dtype` is the model's."""
     if scale is not None:
         if path == "kernel" and weight.dtype == torch.int8:
-            return Int8KernelGemm(weight, scale, bias, dtype, silu_and_mul)
+            return Int8KernelGemm(weight, scale, bias, dtype)
         if path == "int8pack" and weight.dtype == torch.int8:
-            return Int8PackGemm(weight, scale, bias, dtype, silu_and_mul)
+            return Int8PackGemm(weight, scale, bias, dtype)
         if path == "torch":
-            return DequantizeGemm(weight, scale, bias, silu_and_mul)
+            return DequantizeGemm(weight, scale, bias)
         raise RuntimeError(f"no {path} path for a {weight.dtype} weight")
     if path == "kernel":
-        return KernelGemm(weight, bias, silu_and_mul)
+        return KernelGemm(weight, bias)
     if path == "amx":
-        return AmxGemm(weight, bias, silu_and_mul=silu_and_mul)
+        return AmxGemm(weight, bias)
     if path == "torch":
-        return TorchGemm(weight, bias, silu_and_mul)
+        return TorchGemm(weight, bias)
     compute = torch.float32 if path == "onednn-fp32" else weight.dtype
-    return PackedGemm(weight, bias, compute, silu_and_mul)
+    return PackedGemm(weight, bias, compute)
 
 
 @functools.lru_cache(maxsize=None)
-def amx_loop_rows(out_features: int, in_features: int, silu_and_mul: bool = False,
-                  probes=(8, 16, 32, 64, 128, 256, 512)) -> int:
+def amx_loop_rows(out_features: int, in_features: int, probes=(8, 16, 32, 64, 128, 256, 512)) -> int:
     """The most rows up to which gemm.c's AMX loop beats F.linear on this CPU: the last of
     `probes` before the first it loses (0: it loses at the first), timed on a random bf16 weight
-    of this shape, the two interleaved (silu_and_mul: each ending in it, as the layer does).
-    Measured once per shape, not assumed: where the library catches up depends on the CPU and the
-    shape (Sapphire Rapids, 2 threads, the bench model's shapes: from 128 to 256 rows, gate_up
-    with silu_and_mul 512)."""
+    of this shape, the two interleaved. Measured once per shape, not assumed: where the library
+    catches up depends on the CPU and the shape (Sapphire Rapids, 2 threads, the bench model's
+    shapes: from 128 to 256 rows)."""
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     zeros, rows = torch.zeros(out_features), 0
-    paths = {"loop": lambda r: cpu_kernels.gemm_amx(r, weight, zeros, silu_and_mul=silu_and_mul),
-             "torch": TorchGemm(weight, None, silu_and_mul)}
+    paths = {"loop": lambda r: cpu_kernels.gemm_amx(r, weight, zeros),
+             "torch": TorchGemm(weight, None).product}
     for m in probes:
         seconds = _interleaved_seconds(paths, torch.randn(m, in_features, dtype=torch.bfloat16), 2)
         if seconds["loop"] > seconds["torch"]:
@@ -299,39 +255,40 @@ def candidate_paths(dtype: torch.dtype, model_dtype: Optional[torch.dtype] = Non
     return tuple(paths)
 
 
-def _seconds(gemm: Gemm, x: Tensor) -> float:
+def _seconds(product: Callable[[Tensor], object], x: Tensor) -> float:
     start = time.perf_counter()
-    gemm(x)
+    product(x)
     return time.perf_counter() - start
 
 
-def _best_seconds(gemm: Gemm, x: Tensor, repeats: int) -> float:
-    gemm(x)   # first call: oneDNN builds its kernel for this shape
-    return min(_seconds(gemm, x) for _ in range(repeats))
+def _best_seconds(product: Callable[[Tensor], object], x: Tensor, repeats: int) -> float:
+    product(x)   # first call: oneDNN builds its kernel for this shape
+    return min(_seconds(product, x) for _ in range(repeats))
 
 
-def _interleaved_seconds(gemms: dict[str, Gemm], x: Tensor, repeats: int) -> dict[str, float]:
+def _interleaved_seconds(products: dict[str, Callable[[Tensor], object]], x: Tensor,
+                         repeats: int) -> dict[str, float]:
     """Each product's best time on x, the products taking turns: a burst of other load hits
     every one alike."""
-    seconds = {name: _best_seconds(gemm, x, 1) for name, gemm in gemms.items()}
+    seconds = {name: _best_seconds(product, x, 1) for name, product in products.items()}
     for _ in range(repeats):
-        for name, gemm in gemms.items():
-            seconds[name] = min(seconds[name], _seconds(gemm, x))
+        for name, product in products.items():
+            seconds[name] = min(seconds[name], _seconds(product, x))
     return seconds
 
 
 @torch.inference_mode()
 def time_paths(weight: Tensor, bias: Optional[Tensor], rows: Iterable[int],
-               paths: Iterable[str], repeats: int = 3, silu_and_mul: bool = False,
-               scale: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> dict[str, float]:
+               paths: Iterable[str], repeats: int = 3, scale: Optional[Tensor] = None,
+               dtype: Optional[torch.dtype] = None) -> dict[str, float]:
     """Each path's cost over `rows`: the sum over the row counts of its best time / the fastest
     path's (1.0 per row count: always the fastest; relative, so 512 rows do not drown out a 1-row
-    decode), silu_and_mul included where the layer has it. Paths this machine cannot run are left
-    out. scale, dtype: a quantized weight's (make_gemm)."""
+    decode). Paths this machine cannot run are left out. scale, dtype: a quantized weight's
+    (make_gemm)."""
     gemms = {}
     for path in paths:
         try:
-            gemms[path] = make_gemm(path, weight, bias, silu_and_mul, scale, dtype)
+            gemms[path] = make_gemm(path, weight, bias, scale, dtype).product
         except RuntimeError:      # oneDNN without support for this dtype here
             continue
     cost = dict.fromkeys(gemms, 0.0)
@@ -350,28 +307,27 @@ def timed_rows(most: int) -> list[int]:
     return [m for m in (1, 8, 64, 512) if m <= most] or [most]
 
 
-def choose_cpu_gemms(model, config: Config, silu_fused: bool) -> tuple[dict, dict[str, str]]:
+def choose_cpu_gemms(model, config: Config) -> tuple[dict, dict[str, str]]:
     """Give every Linear of `model` its fastest path on this CPU, timed once per distinct shape:
     the layers at up to a step's token budget, the LM head at the rows that sample. A path named
-    by `config.cpu_gemm` skips the timing (torch's where it cannot run here). silu_fused: gate_up's
-    gemm ends in silu(gate) * up. Returns ({Linear: Gemm}, {'in x out dtype': path}) (bench's)."""
+    by `config.cpu_gemm` skips the timing (torch's where it cannot run here). Returns
+    ({Linear: Gemm}, {'in x out dtype': path}) (bench's)."""
     gemms, labels = {}, {}
     dtype = model.model.embed_tokens.weight.dtype    # the activations'
-    for name, layer in model.named_modules():
+    for layer in model.modules():
         if not isinstance(layer, Linear):
             continue
-        w, silu = layer.weight.detach(), silu_fused and name.endswith("gate_up_proj")
+        w = layer.weight.detach()
         scale = layer.weight_scale if layer.quantization else None
-        label = gemm_label(layer, w.dtype) + (" silu_and_mul" if silu else "")
+        label = gemm_label(layer, w.dtype)
         if label not in labels:   # one path per label: what bench reports is what every such layer runs
             paths = candidate_paths(w.dtype, dtype)
             if config.cpu_gemm != "auto":
                 paths = [p for p in paths if p == config.cpu_gemm] or ["torch"]
             rows = timed_rows(config.max_num_seqs if layer is model.lm_head else config.max_num_batched_tokens)
-            cost = time_paths(w, layer.bias, rows, paths, silu_and_mul=silu, scale=scale,
-                              dtype=dtype) or {"torch": 0.0}
+            cost = time_paths(w, layer.bias, rows, paths, scale=scale, dtype=dtype) or {"torch": 0.0}
             labels[label] = min(cost, key=cost.get)
-        gemms[layer] = make_gemm(labels[label], w, layer.bias, silu, scale, dtype)
+        gemms[layer] = make_gemm(labels[label], w, layer.bias, scale, dtype)
     return gemms, labels
 
 
@@ -387,7 +343,7 @@ def gemm_peak(path: str, dtype: torch.dtype, shapes: Iterable[tuple[int, int]], 
         weight, scale = torch.randn(out_features, in_features, dtype=dtype, device=device), None
         if quantization:
             weight, scale = quantize(weight, quantization)
-        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None, False, scale, dtype)
+        gemm = make_gemm(path if weight.device.type == "cpu" else "torch", weight, None, scale, dtype)
         x = torch.randn(rows, in_features, dtype=dtype, device=device)
         seconds = _best_seconds(lambda r: (gemm.product(r), sync()), x, repeats)
         best = max(best, 2 * rows * in_features * out_features / seconds)

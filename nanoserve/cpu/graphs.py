@@ -13,19 +13,21 @@ Views compute nothing, and allocations happen once: neither is replayed. What th
 Python (which module, which shape, which branch) is decided during the capture, as in a CUDA
 graph; a capture that would read a tensor's values (.item(), nonzero) is refused.
 
-Three passes turn the record into the replay, as a CUDA graph's memory pool and vLLM's fusion
-passes over captured graphs do:
-  1. `fuse_norms`: an RMSNorm whose output only feeds the product after it becomes that product's
-     norm (gemm.c normalises the rows as it copies them, so they are never stored). Kept because a
-     measured A/B earned it (scripts/results/README.md); NANOSERVE_CPU_FUSION=0 skips it.
-  2. `plan_memory`: each tensor the forward allocated gets a place in ONE arena shared by every
+Two steps turn the record into the replay, as a CUDA graph's memory pool does:
+  1. `plan_memory`: each tensor the forward allocated gets a place in ONE arena shared by every
      captured size (graphs never run at the same time), by its lifetime in the record: two tensors
      whose lives do not overlap share bytes. A 64-row step of SmolLM2-135M keeps ~1 MB, not the
      ~64 MB of every layer's activations.
-  3. binding: every pointer and tensor of the record is rewritten into the arena.
+  2. binding: every pointer and tensor of the record is rewritten into the arena.
+A fusion would be a pass over the record between the two (as vLLM's passes over captured graphs).
+Two were built and measured, and lost: the RMSNorm done inside the product after it, and
+silu(gate) * up on gate_up's tiles (the engine ran 1.037x and 1.024x faster without them, 64
+requests in bf16; at batch 1 no difference: scripts/results/README.md, a twenty-first session), so
+the replay runs the model's own ops as recorded.
 
-Replay: `for call in calls: call()`, ~7 C calls a layer; the step's inputs were written into the
-same buffers by the runner (padded, as on a GPU) and the output is a tensor at a fixed address.
+Replay: `for call in calls: call()`, 9 C calls a layer (rms_norm, gemm, rope_store_kv,
+decode_attention, gemm, rms_norm, gemm, silu_and_mul, gemm); the step's inputs were written into
+the same buffers by the runner (padded, as on a GPU) and the output is a tensor at a fixed address.
 The record is what the model's code called: a forward hook on any module fires during capture.
 
     pytest -q tests/test_cpu_graphs.py
@@ -36,7 +38,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,13 +51,6 @@ from nanoserve.cpu import kernels as cpu_kernels
 aten = torch.ops.aten
 ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
 ALIGN = 64   # bytes: every planned tensor starts on a cache line (and on any dtype's alignment)
-
-
-def fusion_passes() -> set[str]:
-    """The fusion passes that run: NANOSERVE_CPU_FUSION=0 none, =norms or =silu that one (to
-    measure each), unset both."""
-    value = os.environ.get("NANOSERVE_CPU_FUSION", "norms,silu")
-    return set() if value == "0" else set(value.split(",")) & {"norms", "silu"}
 
 
 @dataclass
@@ -189,67 +183,6 @@ def refs(call: Call) -> list[Ref]:
     return [r for r in pytree.tree_leaves((call.args, call.kwargs, call.out)) if isinstance(r, Ref)]
 
 
-def readers(calls: list[Call]) -> dict[int, list[int]]:
-    """{buffer: the calls that use it, in order}."""
-    users: dict[int, list[int]] = {}
-    for i, call in enumerate(calls):
-        for buffer in {r.buffer for r in refs(call)}:
-            users.setdefault(buffer, []).append(i)
-    return users
-
-
-PRODUCTS = ("gemm", "gemm_int8", "gemm_amx")
-
-
-def fuse_norms(calls: list[Call]) -> list[Call]:
-    """Each rms_norm whose output only a product (gemm.c) reads, folded into that product:
-    rms_norm(x, residual, w, out, ..., eps) then gemm(out, NULL, NULL, 0, ...) becomes
-    gemm(x, residual, w, eps, ...), the same numbers without storing the normalised rows."""
-    users, folded = readers(calls), set()
-    for i, norm in enumerate(calls):
-        out = norm.args[3] if norm.kernel == "rms_norm" else None
-        uses = users.get(out.buffer, []) if isinstance(out, Ref) else []
-        if len(uses) == 2 and uses[0] == i:
-            product = calls[uses[1]]
-            if product.kernel in PRODUCTS and product.args[0] == out and product.args[2] is None:
-                product.args = (*norm.args[:3], norm.args[6], *product.args[4:])
-                folded.add(i)
-    return [call for i, call in enumerate(calls) if i not in folded]
-
-
-def fuse_silu(calls: list[Call]) -> list[Call]:
-    """gate_up's product, then silu(gate) * up of it: the product ends in silu(gate) * up on its
-    tiles (gemm.c; gate_up is never stored). The kernel paths' gate_up is packed for it (bind:
-    silu_fused), and its plain product puts the columns back in W's order, a gather between:
-        gemm(x -> y, n = packed rows, silu 0); y[..., columns] -> z; silu_and_mul(z -> out, I)
-    becomes gemm(x -> out, n = I, silu 1). AMX's keeps W's order, no gather:
-        gemm_amx(x -> y, silu 0); silu_and_mul(y -> out)  becomes  gemm_amx(x -> out, silu 1)
-    (gemm_amx takes silu only for an intermediate size a multiple of 16)."""
-    users, folded = readers(calls), set()
-
-    def read_by_next_alone(j: int) -> bool:   # call j's output (its last Ref) only call j + 1 reads
-        return users[refs(calls[j])[-1].buffer] == [j, j + 1]
-
-    for i, product in enumerate(calls):
-        if product.kernel not in PRODUCTS or not isinstance(product.args[6], Ref):
-            continue
-        silu = i + 1 if product.kernel == "gemm_amx" else i + 2      # the kernel paths: a gather
-        if (silu >= len(calls) or calls[silu].kernel != "silu_and_mul"
-                or not all(read_by_next_alone(j) for j in range(i, silu))
-                or (silu == i + 2 and calls[i + 1].fn is not aten.index.Tensor)):
-            continue
-        intermediate, out = calls[silu].args[3], calls[silu].args[1]
-        if product.kernel == "gemm_amx" and intermediate % 16 == 0:
-            product.args = (*product.args[:6], out, *product.args[7:10], 1, *product.args[11:])
-        elif product.kernel != "gemm_amx":
-            product.args = (*product.args[:6], out, product.args[7], intermediate,
-                            *product.args[9:11], 1, *product.args[12:])
-        else:
-            continue
-        folded.update(range(i + 1, silu + 1))
-    return [call for i, call in enumerate(calls) if i not in folded]
-
-
 def plan_memory(calls: list[Call], sizes: list[int], output: Ref) -> tuple[dict[int, int], int]:
     """Where each buffer lives in the arena ({buffer: offset}) and the arena's size: a buffer is
     alive from the first call that uses it to the last (the output: to the end), and takes the
@@ -333,11 +266,6 @@ class CpuGraph:
         if not isinstance(self.output_ref, Ref):
             raise RuntimeError("the captured forward must return a tensor it allocated")
         self.record = [buffers.symbolic(call) for call in recorder.calls]
-        passes = fusion_passes()
-        if "norms" in passes:
-            self.record = fuse_norms(self.record)
-        if "silu" in passes:
-            self.record = fuse_silu(self.record)
         self.buffer_sizes = buffers.sizes
         self.where, self.size = plan_memory(self.record, buffers.sizes, self.output_ref)
         self.pool.add(self)

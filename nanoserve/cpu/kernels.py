@@ -8,15 +8,13 @@ reference it replaces (layers.py, paged_attention.py):
     prefill_attention.c  every other request (prefill, chunked prefill, prefix hit): compute-bound,
                          a flash-attention loop with the query tokens in the vector lanes; on a
                          CPU with AMX (bf16), its two products in AMX tiles.
-    rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings (gemm.c
-                         runs the same row loop on the rows it multiplies: graphs.py folds the norm in).
+    rms_norm.c           the residual add and the RMSNorm after it, with HF's roundings.
     rope.c               RoPE on q and k, and k and v stored into the KV cache, in one pass.
     silu_and_mul.c       the MLP's silu(gate) * up, into the contiguous rows down_proj reads.
     argmax.c             each row's argmax (greedy sampling), float32 or bf16 logits, vectorised,
                          where torch's goes one float at a time.
     gemm.c               a Linear's product on its weight packed once (cpu/gemm.py's `kernel`
-                         path); for the MLP's gate_up, optionally silu(gate) * up in the same pass.
-                         The same on an int8 weight (`--quantization int8`): gemm_int8.
+                         path). The same on an int8 weight (`--quantization int8`): gemm_int8.
                          With AMX, also a bf16 product on the weight as it is (the `amx` path).
 
 What each was measured to gain, and on which CPU: scripts/results/README.md.
@@ -126,13 +124,13 @@ def load():
     kernels.gemm_pack.restype = None
     kernels.gemm.restype = ctypes.c_int
     kernels.gemm_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    kernels.gemm.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 3
-                             + [ctypes.c_int] * 6)
+    # x, packed, bias, y, then M, N, K, bf16 (gemm_int8: then scales, register_rows), threads
+    kernels.gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     kernels.gemm_int8.restype = ctypes.c_int
     kernels.gemm_int8.argtypes = kernels.gemm.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
-    kernels.gemm_amx.argtypes = kernels.gemm.argtypes[:7] + [ctypes.c_int] * 5
+    kernels.gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     return kernels
 
 
@@ -223,45 +221,32 @@ def argmax(x: Tensor) -> Tensor:
     return out
 
 
-def gemm_pack(weight: Tensor, bias: Optional[Tensor],
-              silu_and_mul: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def gemm_pack(weight: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """gemm.c's packing of a float32 or bf16 weight [out, in] into panels, with the bias (or
-    zeros) in float32 padded to whole panels: what `gemm` multiplies by; and the row order, the
-    weight row each packed row holds (out: a zero row). RuntimeError where the kernels cannot
-    run here (cpu/gemm.py then keeps another path).
-    silu_and_mul: the weight is gate_up's ([gate; up], as `silu_and_mul` takes its product), and
-    its rows are reordered so that each panel holds width / 2 gate rows and the same rows of up
-    (zero rows past the end): a tile then has both factors of silu(gate) * up in its sums.
-    Worked example, width 12 (vectors of 4), intermediate 8 (gate rows g0-g7, up rows u0-u7):
-    panels [g0 g1 g2 g3 u0 u1 u2 u3 g4 g5 u4 u5] [g6 g7 0 0 u6 u7 0 0 0 0 0 0]."""
+    zeros) in float32 padded to whole panels: what `gemm` multiplies by. RuntimeError where the
+    kernels cannot run here (cpu/gemm.py then keeps another path)."""
     kernels, weight = load(), weight.contiguous()
     if kernels is None or weight.dim() != 2 or not _takes(weight):
         raise RuntimeError("the C GEMM needs the CPU kernels and a float32 or bf16 weight")
-    width, row_order = kernels.gemm_panel_width(), torch.arange(weight.shape[0])
-    if silu_and_mul:
-        weight, bias, row_order = _gate_up_panels(weight, bias, width)
-    (n, k), bf16 = weight.shape, weight.dtype == torch.bfloat16
+    (n, k), bf16, width = weight.shape, weight.dtype == torch.bfloat16, kernels.gemm_panel_width()
     columns = -(-n // width) * width
     packed = weight.new_empty(columns * (k + k % 2 if bf16 else k))
     kernels.gemm_pack(weight.data_ptr(), packed.data_ptr(), n, k, int(bf16))
     padded_bias = torch.zeros(columns)
     if bias is not None:
         padded_bias[:n] = bias.detach().float()
-    return packed, padded_bias, row_order
+    return packed, padded_bias
 
 
-def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_and_mul: bool = False,
-                   pairs: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor],
+                   pairs: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """gemm_pack's layout for an int8 weight [out, in] (quantization.py), one byte an element:
     float32's, or with `pairs` (for bf16 x) bf16's k-pairs.
     gemm.c's gemm_int8 widens it in registers, or a panel at a time. Returns (packed, scales and
-    bias in float32 padded to whole panels, row order)."""
+    bias in float32 padded to whole panels)."""
     if load() is None or weight.dtype != torch.int8:
         raise RuntimeError("the C int8 GEMM needs the CPU kernels and an int8 weight")
-    width, row_order = load().gemm_panel_width(), torch.arange(weight.shape[0])
-    if silu_and_mul:
-        weight, bias, row_order = _gate_up_panels(weight, bias, width)
-        scale = torch.cat([scale, scale.new_zeros(1)])[row_order]
+    width = load().gemm_panel_width()
     (n, k), panels = weight.shape, -(-weight.shape[0] // width)
     padded = weight.new_zeros(panels * width, k + k % 2 if pairs else k)
     padded[:n, :k] = weight
@@ -272,23 +257,7 @@ def gemm_pack_int8(weight: Tensor, scale: Tensor, bias: Optional[Tensor], silu_a
     # [panel][k][column], or [panel][k / 2][column][k % 2]
     packed = (padded.view(panels, width, -1, 2).permute(0, 2, 1, 3) if pairs else
               padded.view(panels, width, k).permute(0, 2, 1)).contiguous().flatten()
-    return packed, scales, padded_bias, row_order
-
-
-def _gate_up_panels(weight: Tensor, bias: Optional[Tensor], width: int) -> tuple[Tensor, Optional[Tensor], Tensor]:
-    """gate_up's rows in gemm_pack's silu_and_mul order: per panel of `width` rows (three vectors
-    of L = width / 3 lanes), gate rows [0, L), up rows [0, L), gate rows [L, 3L/2), up rows
-    [L, 3L/2), counted from the panel's first column (panel p: p * width / 2); a row index past
-    the end picks the zero row appended at the end (gemm.c's store_tile says why this order)."""
-    intermediate, lanes = weight.shape[0] // 2, width // 3
-    j = torch.arange(width)
-    last = j >= 2 * lanes                      # the third vector: half gate, half up
-    is_up = torch.where(last, j >= 2 * lanes + lanes // 2, j >= lanes)
-    offset = torch.where(last, lanes + (j - 2 * lanes) % (lanes // 2), j % lanes)
-    columns = torch.arange(-(-intermediate // (width // 2)))[:, None] * (width // 2) + offset
-    order = torch.where(columns < intermediate, columns + is_up * intermediate, 2 * intermediate).flatten()
-    weight = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])[order]
-    return weight, None if bias is None else torch.cat([bias.detach(), bias.new_zeros(1)])[order], order
+    return packed, scales, padded_bias
 
 
 def _as_rows(x: Tensor) -> Tensor:
@@ -296,35 +265,17 @@ def _as_rows(x: Tensor) -> Tensor:
     return (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).contiguous()
 
 
-def _norm_arguments(rows: Tensor, norm, residual: Optional[Tensor]) -> tuple:
-    """gemm.c's (norm weight, eps, residual) pointers for Linear's `norm` (an RMSNorm, or None)."""
-    if norm is None:
-        return None, 0.0, None
-    # rows are contiguous and in W's dtype by construction; these may not be
-    weight = norm.weight
-    if not (_takes(rows, weight) if residual is None else
-            residual.shape == rows.shape and _takes(rows, weight, residual)):
-        raise ValueError("gemm's residual and norm weight must be contiguous, in the rows' dtype")
-    return weight.data_ptr(), norm.eps, None if residual is None else residual.data_ptr()
-
-
-def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, silu_and_mul: bool = False,
-         norm=None, residual: Optional[Tensor] = None, scales: Optional[Tensor] = None,
+def gemm(x: Tensor, packed: Tensor, bias: Tensor, out_features: int, scales: Optional[Tensor] = None,
          register_rows: int = 0) -> Tensor:
     """gemm.c: x [..., in] @ W.T + b, with W and b as `gemm_pack` packed them; in W's dtype (the
-    model's rows already are). silu_and_mul (W packed with it; out_features: the intermediate
-    size): silu(gate) * up of that product, as `silu_and_mul` computes it, without storing gate_up.
-    norm (an RMSNorm: its weight and eps): the product of `rms_norm(x, residual, weight, eps)`
-    instead of x (residual, if given, updated in place the same way), without storing the
-    normalised rows.
+    model's rows already are).
     scales (W packed by gemm_pack_int8): gemm_int8's product, W = q x scales, in registers up to
     `register_rows` rows (x in the model's dtype, float32 or bf16)."""
     rows = _as_rows(x if scales is not None else x.to(packed.dtype))
-    weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
     m, k = rows.shape
     out = rows.new_empty(m, out_features)
-    args = (rows.data_ptr(), residual_ptr, weight, eps, packed.data_ptr(), bias.data_ptr(), out.data_ptr(),
-            m, out_features, k, int(rows.dtype == torch.bfloat16), int(silu_and_mul))
+    args = (rows.data_ptr(), packed.data_ptr(), bias.data_ptr(), out.data_ptr(), m, out_features, k,
+            int(rows.dtype == torch.bfloat16))
     if (load().gemm(*args, torch.get_num_threads()) if scales is None
             else load().gemm_int8(*args, scales.data_ptr(), register_rows, torch.get_num_threads())):
         raise MemoryError(f"gemm.c could not allocate its copies of x ({m} x {k})")
@@ -337,18 +288,14 @@ def gemm_amx_ready() -> bool:
     return kernels is not None and bool(kernels.gemm_amx_ready())
 
 
-def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor, norm=None, residual: Optional[Tensor] = None,
-             silu_and_mul: bool = False) -> Optional[Tensor]:
+def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor) -> Optional[Tensor]:
     """gemm.c's AMX product: x [..., in] @ weight.T + bias, bf16, with weight as it is ([out, in],
-    contiguous) and bias float32 [out]; norm and residual as gemm's. silu_and_mul (weight is
-    gate_up, gate rows first): silu(gate) * up of that product [..., out / 2], as `silu_and_mul`
-    computes it, without storing gate_up. None where it cannot run (in not a multiple of 32, out of
-    memory, silu_and_mul with out / 2 not a multiple of 16), with nothing changed."""
+    contiguous) and bias float32 [out]. None where it cannot run (in not a multiple of 32, out of
+    memory)."""
     rows = _as_rows(x)
-    norm_weight, eps, residual_ptr = _norm_arguments(rows, norm, residual)
     (m, k), n = rows.shape, weight.shape[0]
-    out = rows.new_empty(m, n // 2 if silu_and_mul else n)
-    if load().gemm_amx(rows.data_ptr(), residual_ptr, norm_weight, eps, weight.data_ptr(), bias.data_ptr(),
-                       out.data_ptr(), m, n, k, int(silu_and_mul), torch.get_num_threads()):
+    out = rows.new_empty(m, n)
+    if load().gemm_amx(rows.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), m, n, k,
+                       torch.get_num_threads()):
         return None
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[1])
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

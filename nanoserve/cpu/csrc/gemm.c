@@ -27,13 +27,11 @@
    them (bf16: rounded once, to nearest even, as oneDNN and torch round a bf16 product). The panel
    stays in L2 across the row tiles.
    Why copy x: read in place, the MR rows are MR pointers, more than the registers left beside the
-   accumulators, so the loop would reload them from the stack at every k. The copy is also where
-   an RMSNorm before the product runs (gemm's norm_weight), on each tile's rows just before they
-   are copied.
-   The MLP's gate_up product can end in silu(gate) * up instead (`silu_and_mul`): its weight is
-   packed with each gate column in the same panel as its up column (store_tile says how), so the
-   tile applies the activation to its sums and stores half as many columns, and gate_up is never
-   written out for silu_and_mul.c to read back.
+   accumulators, so the loop would reload them from the stack at every k.
+   The loop multiplies only. Two fusions into it were built and measured, and lost (an A/B of 64
+   requests, bf16, on AMX: the engine ran 1.037x faster without the RMSNorm done on the rows as
+   they were copied, 1.024x without silu(gate) * up on gate_up's tiles; scripts/results/README.md,
+   a twenty-first session), so the norm and the activation stay kernels of their own.
 */
 #include "cpu_kernels.h"
 
@@ -135,42 +133,14 @@ tile_rows(const void *x, const void *panel, const float *bias, float sums[MR][PA
     }
 }
 
-/* v with its lower and upper halves swapped (a register shuffle once compiled). */
-static inline vfloat halves_swapped(vfloat v) {
-    vfloat swapped;
-    memcpy(&swapped, (const char *)&v + sizeof v / 2, sizeof v / 2);
-    memcpy((char *)&swapped + sizeof v / 2, &v, sizeof v / 2);
-    return swapped;
-}
-
-/* A tile's float32 sums (m rows) into y's rows, ldy apart: `columns` of them as they are (bf16:
-   rounded once, to nearest even, as oneDNN and torch round a bf16 product), or, for a gate_up
-   product packed with silu_and_mul, silu(gate) * up in `columns` (<= PANEL / 2) columns. Such a
-   panel's three vectors are gate[0, L), up[0, L), and gate[L, 3L/2) beside up[L, 3L/2) (L = LANES;
-   cpu_kernels.gemm_pack orders the rows so), so each gate value meets its up value in the same lane
-   of a vector or of that vector with its halves swapped: no shuffling through memory. HF's
-   roundings: gate and up are first rounded as the bf16 product would store them. */
+/* A tile's float32 sums (m rows) into y's rows, ldy apart, `columns` of them (bf16: rounded once,
+   to nearest even, as oneDNN and torch round a bf16 product). */
 static inline __attribute__((always_inline)) void
-store_tile(const float sums[MR][PANEL], int m, void *y, int64_t ldy, int columns, const int bf16,
-           int silu_and_mul) {
-    _Static_assert(NV == 3, "silu_and_mul's panel layout is three vectors");
+store_tile(const float sums[MR][PANEL], int m, void *y, int64_t ldy, int columns, const int bf16) {
     const int size = bf16 ? 2 : 4;
     for (int i = 0; i < m; i++) {
         char *row = (char *)y + i * ldy * size;
-        if (!silu_and_mul) {
-            for (int n = 0; n < columns; n++) store_at(row, n, sums[i][n], bf16);
-            continue;
-        }
-        vfloat v[NV];
-        for (int j = 0; j < NV; j++) {
-            memcpy(&v[j], sums[i] + j * LANES, sizeof v[j]);
-            if (bf16) v[j] = rounded_lanes(v[j]);
-        }
-        const vfloat first = silu_mul_lanes(v[0], v[1], bf16);
-        const vfloat rest = silu_mul_lanes(v[2], halves_swapped(v[2]), bf16);   /* lanes < L/2 */
-        if (columns >= LANES) store_lanes(row, first, bf16);
-        else for (int n = 0; n < columns; n++) store_at(row, n, first[n], bf16);
-        for (int n = LANES; n < columns; n++) store_at(row, n, rest[n - LANES], bf16);
+        for (int n = 0; n < columns; n++) store_at(row, n, sums[i][n], bf16);
     }
 }
 
@@ -205,18 +175,6 @@ static void pack_rows(const void *x, uint32_t *xp, int M, int K, int units, int 
             memcpy(&last, src[i] + 4 * whole, 2);
             dst[(int64_t)whole * MR + i] = last;
         }
-}
-
-/* Rows [first, end) (end capped at M) of RMSNorm(x + residual) into `normed`, as rms_norm.c
-   computes them (residual, if not NULL, updated in place): both products run it on the rows they
-   are about to copy. */
-static void normalise_rows(const void *x, void *residual, const void *norm_weight, void *normed,
-                           int first, int end, int M, int K, float eps, int bf16) {
-    for (int r = first; r < end && r < M; r++) {
-        float row[K];
-        if (bf16) rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 1, row);
-        else rms_norm_row(x, residual, norm_weight, normed, (int64_t)r * K, K, eps, 0, row);
-    }
 }
 
 /* int8 weights (`--quantization int8`) are packed as a float32 weight is, one byte an element:
@@ -414,7 +372,7 @@ static inline void rescale(float sums[MR][PANEL], int m, const float *row_scales
    row_scales: the integer form's, or NULL. */
 static void int8_panel(const void *xp, const int8_t *panel, const int8_t *next, void *scratch,
                        const float *scale, const float *bias, const float *row_scales, void *y, int M,
-                       int N, int K, int bf16, int silu_and_mul, int block, int columns, int in_registers) {
+                       int N, int K, int bf16, int block, int columns, int in_registers) {
     static const float zeros[PANEL];
     const int units = bf16 ? (K + 1) / 2 : K, end = (block + 1) * ROW_BLOCK < M ? (block + 1) * ROW_BLOCK : M;
     if (!in_registers) widen_panel(panel, scratch, K, bf16);
@@ -427,45 +385,40 @@ static void int8_panel(const void *xp, const int8_t *panel, const int8_t *next, 
         else if (bf16) tile_rows(a, scratch, zeros, sums, K, m, 1, NULL, 0, 1);
         else tile_rows(a, scratch, zeros, sums, K, m, 0, NULL, 0, 1);
         rescale(sums, m, row_scales ? row_scales + r : NULL, scale, bias);
-        if (bf16) store_tile(sums, m, c, N, columns, 1, silu_and_mul);
-        else store_tile(sums, m, c, N, columns, 0, silu_and_mul);
+        if (bf16) store_tile(sums, m, c, N, columns, 1);
+        else store_tile(sums, m, c, N, columns, 0);
     }
 }
 
 /* gemm's product on an int8 weight: packed as above, scales and bias float32 per packed column,
    padded as gemm's bias. Up to `register_rows` rows in registers (bf16 x: where this CPU has the
    integer form), above them on widened panels (cpu/gemm.py measures where the second starts to
-   win on this CPU). x, y, the norm and silu_and_mul as gemm's. y = (x . q) x scale + bias, summed
-   in float32. Returns 0, or 1 when out of memory. */
-int gemm_int8(const void *x, void *residual, const void *norm_weight, float eps, const int8_t *packed,
-              const float *bias, void *y, int M, int N, int K, int bf16, int silu_and_mul,
-              const float *scales, int register_rows, int num_threads) {
-    const int width = silu_and_mul ? PANEL / 2 : PANEL, in_registers = M <= register_rows && (!bf16 || INT16_PRODUCTS);
+   win on this CPU). x and y as gemm's. y = (x . q) x scale + bias, summed in float32. Returns 0,
+   or 1 when out of memory. */
+int gemm_int8(const void *x, const int8_t *packed, const float *bias, void *y, int M, int N, int K,
+              int bf16, const float *scales, int register_rows, int num_threads) {
+    const int in_registers = M <= register_rows && (!bf16 || INT16_PRODUCTS);
     const int units = bf16 ? (K + 1) / 2 : K, panel_bytes = (bf16 ? 2 * units : K) * PANEL;
-    const int panels = (N + width - 1) / width, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK, row_tiles = (M + MR - 1) / MR;
+    const int panels = (N + PANEL - 1) / PANEL, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK, row_tiles = (M + MR - 1) / MR;
     const int64_t size = bf16 ? 2 : 4;
     uint32_t *xp = malloc(sizeof(uint32_t) * ((size_t)row_tiles * MR * units + 1));   /* + 1: M = 0 */
-    char *normed = norm_weight ? malloc((size_t)M * K * size + 1) : NULL;
     float *row_scales = in_registers && bf16 ? malloc(sizeof(float) * ((size_t)M + 1)) : NULL;
     int failed = 0;
-    if (!xp || (norm_weight && !normed) || (in_registers && bf16 && !row_scales)) {
-        free(xp); free(normed); free(row_scales);
+    if (!xp || (in_registers && bf16 && !row_scales)) {
+        free(xp); free(row_scales);
         return 1;
     }
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int t = 0; t < row_tiles; t++) {
-            if (normed)
-                normalise_rows(x, residual, norm_weight, normed, t * MR, (t + 1) * MR, M, K, eps, bf16);
-            const void *rows = normed ? (const void *)normed : x;
 #if INT16_PRODUCTS
             if (row_scales) {
-                pack_rows_int16(rows, xp, row_scales, M, K, t);
+                pack_rows_int16(x, xp, row_scales, M, K, t);
                 continue;
             }
 #endif
-            pack_rows(rows, xp, M, K, units, bf16, t);
+            pack_rows(x, xp, M, K, units, bf16, t);
         }
         void *scratch = in_registers ? NULL : malloc((size_t)(K + 1) * PANEL * size);
         if (!in_registers && !scratch) {
@@ -477,66 +430,55 @@ int gemm_int8(const void *x, void *residual, const void *norm_weight, float eps,
             for (int p = 0; p < panels; p++) {
                 if (!in_registers && !scratch) continue;
                 const int8_t *panel = packed + (int64_t)p * panel_bytes;
-                const int columns = N - p * width < width ? N - p * width : width;
+                const int columns = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
                 int8_panel(xp, panel, p + 1 < panels ? panel + panel_bytes : NULL, scratch, scales + p * PANEL,
-                           bias + p * PANEL, row_scales, (char *)y + (int64_t)p * width * size, M, N, K, bf16,
-                           silu_and_mul, block, columns, in_registers);
+                           bias + p * PANEL, row_scales, (char *)y + (int64_t)p * PANEL * size, M, N, K, bf16,
+                           block, columns, in_registers);
             }
         free(scratch);
     }
     free(xp);
-    free(normed);
     free(row_scales);
     return failed;
 }
 
 /* x: M x K and y: M x N, contiguous; bias: float32, padded to whole panels (zeros if none).
-   norm_weight (or NULL): the product is of RMSNorm(x + residual) with that weight and eps, as
-   rms_norm.c computes it (residual, if not NULL, updated in place to x + residual), each tile's
-   rows normalised just before they are copied, so they are never stored for a separate pass.
    Returns 0, or 1 when out of memory. */
-int gemm(const void *x, void *residual, const void *norm_weight, float eps, const void *packed,
-         const float *bias, void *y, int M, int N, int K, int bf16, int silu_and_mul, int num_threads) {
-    const int width = silu_and_mul ? PANEL / 2 : PANEL;   /* y's columns per panel */
-    const int panels = (N + width - 1) / width, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
+int gemm(const void *x, const void *packed, const float *bias, void *y, int M, int N, int K, int bf16,
+         int num_threads) {
+    const int panels = (N + PANEL - 1) / PANEL, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int units = bf16 ? (K + 1) / 2 : K, row_tiles = (M + MR - 1) / MR;
     const int64_t size = bf16 ? 2 : 4, panel_elems = (int64_t)units * (bf16 ? 2 : 1) * PANEL;
     uint32_t *xp = malloc(sizeof(uint32_t) * ((size_t)row_tiles * MR * units + 1));   /* + 1: M = 0 */
-    char *normed = norm_weight ? malloc((size_t)M * K * size + 1) : NULL;
-    if (!xp || (norm_weight && !normed)) { free(xp); free(normed); return 1; }
+    if (!xp) return 1;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int t = 0; t < row_tiles; t++) {
-            if (normed)
-                normalise_rows(x, residual, norm_weight, normed, t * MR, (t + 1) * MR, M, K, eps, bf16);
-            pack_rows(normed ? normed : x, xp, M, K, units, bf16, t);
-        }
+        for (int t = 0; t < row_tiles; t++) pack_rows(x, xp, M, K, units, bf16, t);
 #pragma omp for collapse(2) schedule(static)
         for (int block = 0; block < blocks; block++)
             for (int p = 0; p < panels; p++) {
                 const void *panel = (const char *)packed + p * panel_elems * size;
-                const int columns = N - p * width < width ? N - p * width : width;
+                const int columns = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
                 const int end = (block + 1) * ROW_BLOCK < M ? (block + 1) * ROW_BLOCK : M;
                 for (int r = block * ROW_BLOCK; r < end; r += MR) {
                     const int m = end - r < MR ? end - r : MR;
                     const uint32_t *a = xp + (int64_t)(r / MR) * MR * units;
-                    void *c = (char *)y + ((int64_t)r * N + p * width) * size;
+                    void *c = (char *)y + ((int64_t)r * N + p * PANEL) * size;
                     const char *next = p + 1 < panels ? (const char *)panel + panel_elems * size : NULL;
                     const int tiles = (end - block * ROW_BLOCK + MR - 1) / MR, this_tile = (r - block * ROW_BLOCK) / MR;
                     float sums[MR][PANEL];
                     if (bf16) {
                         tile_rows(a, panel, bias + p * PANEL, sums, K, m, 1, next, this_tile, tiles);
-                        store_tile(sums, m, c, N, columns, 1, silu_and_mul);
+                        store_tile(sums, m, c, N, columns, 1);
                     } else {
                         tile_rows(a, panel, bias + p * PANEL, sums, K, m, 0, next, this_tile, tiles);
-                        store_tile(sums, m, c, N, columns, 0, silu_and_mul);
+                        store_tile(sums, m, c, N, columns, 0);
                     }
                 }
             }
     }
     free(xp);
-    free(normed);
     return 0;
 }
 
@@ -599,31 +541,11 @@ typedef struct {
     const float *bias;
     uint16_t *y;
     int M, N;          /* y's rows and columns */
-    int silu_and_mul;  /* entries are (gate, up) pairs of tiles: sums[2e], sums[2e + 1] */
 } Pending;
-
-/* silu(gate) * up for one pair of sum tiles (gate's 16 outputs n0.. and up's same outputs, the
-   latter's bias N on), each + bias rounded to bf16 first: the numbers of the unfused path, whose
-   product stores gate_up in bf16 for silu_and_mul.c to read. */
-static void store_silu_and_mul(float gate[16][16], float up[16][16], const float *bias, uint16_t *y,
-                               int M, int N, int n0, int m0) {
-    const __m512 gate_bias = _mm512_loadu_ps(bias + n0), up_bias = _mm512_loadu_ps(bias + N + n0);
-    __m512 g[16], u[16];
-    transpose_16x16(gate, 64, g);
-    transpose_16x16(up, 64, u);
-    for (int r = 0; r < 16 && m0 + r < M; r++) {
-        const vfloat out = silu_mul_lanes(rounded_lanes((vfloat)_mm512_add_ps(g[r], gate_bias)),
-                                          rounded_lanes((vfloat)_mm512_add_ps(u[r], up_bias)), 1);
-        _mm256_storeu_si256((__m256i *)(y + (int64_t)(m0 + r) * N + n0), (__m256i)_mm512_cvtneps_pbh((__m512)out));
-    }
-}
 
 static inline void store_pending(Pending *p) {
     const int e = p->done++;
-    if (p->silu_and_mul)
-        store_silu_and_mul(p->sums[2 * e], p->sums[2 * e + 1], p->bias, p->y, p->M, p->N, p->n0[e], p->m0[e]);
-    else
-        store_transposed(p->sums[e], p->bias, p->y, p->M, p->N, p->n0[e], p->m0[e]);
+    store_transposed(p->sums[e], p->bias, p->y, p->M, p->N, p->n0[e], p->m0[e]);
 }
 
 static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored takes a constant */
@@ -642,13 +564,13 @@ static void sum_tile_to_memory(int t, float sums[16][16]) {   /* _tile_stored ta
    independent sums keep the unit busier than the one to three of a single W block, and two W
    tiles against two x tiles load one tile per product instead of two. Up to 16 rows (a single x
    block) the product waits on W's stream, and one block a pass is as fast.
-   `fetch` (or NULL): for each of the ng W blocks, a later block of W (below `fetch_end`, the
-   same index), asked for 16 lines a chunk, so that all of it is asked for by the last chunk (16
-   rows x K * 2 bytes = 16 lines per 32 k). `pending`: the pass before's sums,
-   stored into y one tile every 4 chunks, the rest after the pass. */
+   `fetch` (or NULL): for each of the ng W blocks, a later block of W (below `fetch_end`), asked
+   for 16 lines a chunk, so that all of it is asked for by the last chunk (16 rows x K * 2 bytes =
+   16 lines per 32 k). `pending`: the pass before's sums, stored into y one tile every 4 chunks,
+   the rest after the pass. */
 static inline __attribute__((always_inline)) void
 pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, const int ng,
-         const int mg, const char *const fetch[2], const char *const fetch_end[2], Pending *pending) {
+         const int mg, const char *const fetch[2], const char *fetch_end, Pending *pending) {
     _tile_zero(0);
     if (ng * mg > 1) _tile_zero(1);
     if (ng * mg > 2) _tile_zero(2);
@@ -658,7 +580,7 @@ pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, con
         for (int n = 0; fetch && n < ng; n++)
             for (int l = 0; l < 16; l++) {
                 const char *line = fetch[n] + ((int64_t)kc * 16 + l) * 64;
-                if (line < fetch_end[n]) __builtin_prefetch(line, 0, 2);
+                if (line < fetch_end) __builtin_prefetch(line, 0, 2);
             }
         if (kc % 4 == 2 && pending->done < pending->count) store_pending(pending);
         const uint32_t *b = xb + (int64_t)m0 * step + kc * 256;
@@ -676,7 +598,7 @@ pass_amx(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, con
 }
 
 static void pass_amx_any(const uint16_t *const a[2], const uint32_t *xb, int chunks, int m0, int ng,
-                         int mg, const char *const fetch[2], const char *const fetch_end[2], Pending *pending) {
+                         int mg, const char *const fetch[2], const char *fetch_end, Pending *pending) {
     switch (ng * 4 + mg) {   /* each shape a copy with its tile numbers constant */
     case 4 + 1: pass_amx(a, xb, chunks, m0, 1, 1, fetch, fetch_end, pending); break;
     case 4 + 2: pass_amx(a, xb, chunks, m0, 1, 2, fetch, fetch_end, pending); break;
@@ -687,76 +609,56 @@ static void pass_amx_any(const uint16_t *const a[2], const uint32_t *xb, int chu
 
 int gemm_amx_ready(void) { return amx_ready(); }
 
-/* x [M, K], w [N, K], y [M, N] bf16, contiguous; bias float32 [N] (zeros if none). norm_weight (or
-   NULL), eps and residual: as gemm's, each row block normalised just before it is copied.
-   silu_and_mul: w is gate_up ([gate; up], N = 2 * intermediate, intermediate a multiple of 16) and
-   y [M, N / 2] gets silu(gate) * up: each pass multiplies a block of gate rows and the same block
-   of up rows, so the pair of sums is stored together and gate_up is never written out (the same
-   bits as the product followed by silu_and_mul.c).
-   Returns 0, or 1 where it cannot run (K not a multiple of 32, AMX refused, out of memory, an
-   intermediate size not a multiple of 16), before it has changed anything (the residual included). */
-int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight, float eps,
-             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int silu_and_mul,
+/* x [M, K], w [N, K], y [M, N] bf16, contiguous; bias float32 [N] (zeros if none).
+   Returns 0, or 1 where it cannot run (K not a multiple of 32, AMX refused, out of memory), before
+   it has changed anything. */
+int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K,
              int num_threads) {
-    if (K % 32 || (silu_and_mul && N % 32) || !amx_ready()) return 1;
+    if (K % 32 || !amx_ready()) return 1;
     if (M == 0) return 0;
     const int chunks = K / 32, mblocks = (M + 15) / 16, nblocks = (N + 15) / 16;
-    const int y_columns = silu_and_mul ? N / 2 : N, y_blocks = silu_and_mul ? nblocks / 2 : nblocks;
-    const int64_t block_bytes = (int64_t)16 * K * 2, up_offset = silu_and_mul ? (int64_t)N / 2 * K : 0;
+    const int64_t block_bytes = (int64_t)16 * K * 2;
     const int blocks_ahead = PREFETCH_AHEAD / block_bytes > 1 ? (int)(PREFETCH_AHEAD / block_bytes) : 1;
     uint32_t *xb = malloc((size_t)mblocks * chunks * 1024);
     uint16_t *last = N % 16 ? calloc((size_t)16 * K, 2) : NULL;   /* a part-filled last block */
-    uint16_t *normed = norm_weight ? malloc((size_t)M * K * 2) : NULL;
-    if (!xb || (N % 16 && !last) || (norm_weight && !normed)) { free(xb); free(last); free(normed); return 1; }
+    if (!xb || (N % 16 && !last)) { free(xb); free(last); return 1; }
     if (last) memcpy(last, w + (int64_t)(nblocks - 1) * 16 * K, (size_t)(N % 16) * K * 2);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
-        for (int mb = 0; mb < mblocks; mb++) {
-            if (normed) normalise_rows(x, residual, norm_weight, normed, mb * 16, (mb + 1) * 16, M, K, eps, 1);
-            pack_rows_amx(normed ? normed : x, xb, M, K, mb);
-        }
+        for (int mb = 0; mb < mblocks; mb++) pack_rows_amx(x, xb, M, K, mb);
         amx_configure((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
-        /* Each thread its own run of y's blocks of 16 columns, and so of W's rows (silu_and_mul:
-           the same run of gate rows and of up rows). */
+        /* Each thread its own run of y's blocks of 16 columns, and so of W's rows. */
         const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        const int first = (int)((int64_t)y_blocks * t / threads), end = (int)((int64_t)y_blocks * (t + 1) / threads);
-        const int full_end = silu_and_mul || end < N / 16 ? end : N / 16;   /* `last` is no part of w */
+        const int first = (int)((int64_t)nblocks * t / threads), end = (int)((int64_t)nblocks * (t + 1) / threads);
+        const int full_end = end < N / 16 ? end : N / 16;   /* `last` is no part of w */
         const char *mine = (const char *)(w + (int64_t)first * 16 * K);
-        const char *const mine_end[2] = {(const char *)(w + (int64_t)full_end * 16 * K),
-                                         (const char *)(w + up_offset + (int64_t)full_end * 16 * K)};
-        /* y blocks per pass (see pass_amx): two W blocks a pass from 17 rows on, or always with
-           silu_and_mul (gate's and up's) */
-        const int per_pass = mblocks > 1 && !silu_and_mul ? 2 : 1;
+        const char *mine_end = (const char *)(w + (int64_t)full_end * 16 * K);
+        const int per_pass = mblocks > 1 ? 2 : 1;   /* y blocks per pass (see pass_amx): two W blocks from 17 rows on */
         const int ahead = blocks_ahead + per_pass - 1;   /* y blocks whose W is asked for before it is needed */
-        for (int n = 0; n < (silu_and_mul ? 2 : 1); n++) {   /* the first blocks, which the loop asks for no one */
-            const char *start = mine + n * up_offset * 2;   /* gate's rows, then up's */
-            for (const char *line = start; line < start + ahead * block_bytes && line < mine_end[n]; line += 64)
-                __builtin_prefetch(line, 0, 2);
-        }
-        Pending pending = {.count = 0, .done = 0, .bias = bias, .y = y, .M = M, .N = y_columns,
-                           .silu_and_mul = silu_and_mul};
+        /* the first blocks, which the loop asks for no one */
+        for (const char *line = mine; line < mine + ahead * block_bytes && line < mine_end; line += 64)
+            __builtin_prefetch(line, 0, 2);
+        Pending pending = {.count = 0, .done = 0, .bias = bias, .y = y, .M = M, .N = N};
         for (int nb = first; nb < end; nb += per_pass) {
-            const int group = silu_and_mul ? 2 : end - nb < per_pass ? end - nb : per_pass;   /* W blocks */
+            const int group = end - nb < per_pass ? end - nb : per_pass;   /* W blocks */
             const uint16_t *a[2];
             const char *fetch[2];
             for (int n = 0; n < group; n++) {
-                const int64_t row = silu_and_mul ? n * (N / 2) + (int64_t)nb * 16 : (int64_t)(nb + n) * 16;
+                const int64_t row = (int64_t)(nb + n) * 16;
                 a[n] = row + 16 <= N ? w + row * K : last;
                 fetch[n] = (const char *)(w + (row + (int64_t)ahead * 16) * K);
             }
-            const char *const ends[2] = {mine_end[0], mine_end[silu_and_mul]};
             for (int m0 = 0, mg; m0 < mblocks; m0 += mg) {   /* the first pass asks for W ahead */
                 mg = mblocks - m0 > 1 ? 2 : 1;
-                pass_amx_any(a, xb, chunks, m0, group, mg, m0 ? NULL : fetch, ends, &pending);
+                pass_amx_any(a, xb, chunks, m0, group, mg, m0 ? NULL : fetch, mine_end, &pending);
                 while (pending.done < pending.count) store_pending(&pending);
                 pending.count = pending.done = 0;
-                for (int n = 0; n < group; n++)   /* tile n * mg + m -> sums[n * mg + m] (silu: [2m + n]) */
-                    for (int m = 0; m < mg; m++)
-                        sum_tile_to_memory(n * mg + m, pending.sums[silu_and_mul ? 2 * m + n : n * mg + m]);
-                for (int e = 0; e < (silu_and_mul ? mg : group * mg); e++, pending.count++) {
-                    pending.n0[e] = (nb + (silu_and_mul ? 0 : e / mg)) * 16;
-                    pending.m0[e] = (m0 + (silu_and_mul ? e : e % mg)) * 16;
+                for (int n = 0; n < group; n++)   /* tile n * mg + m -> sums[n * mg + m] */
+                    for (int m = 0; m < mg; m++) sum_tile_to_memory(n * mg + m, pending.sums[n * mg + m]);
+                for (int e = 0; e < group * mg; e++, pending.count++) {
+                    pending.n0[e] = (nb + e / mg) * 16;
+                    pending.m0[e] = (m0 + e % mg) * 16;
                 }
             }
         }
@@ -765,16 +667,13 @@ int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight,
     }
     free(xb);
     free(last);
-    free(normed);
     return 0;
 }
 #else
 int gemm_amx_ready(void) { return 0; }
-int gemm_amx(const uint16_t *x, uint16_t *residual, const uint16_t *norm_weight, float eps,
-             const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K, int silu_and_mul,
+int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int M, int N, int K,
              int num_threads) {
-    (void)x, (void)residual, (void)norm_weight, (void)eps, (void)w, (void)bias, (void)y, (void)M, (void)N,
-        (void)K, (void)silu_and_mul, (void)num_threads;
+    (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
     return 1;
 }
 #endif
