@@ -16,8 +16,8 @@ graph; a capture that would read a tensor's values (.item(), nonzero) is refused
 Two steps turn the record into the replay, as a CUDA graph's memory pool does:
   1. `plan_memory`: each tensor the forward allocated gets a place in ONE arena shared by every
      captured size (graphs never run at the same time), by its lifetime in the record: two tensors
-     whose lives do not overlap share bytes. A 64-row step of SmolLM2-135M keeps ~1 MB, not the
-     ~64 MB of every layer's activations.
+     whose lives do not overlap share bytes. A 64-row step of SmolLM2-135M's shape keeps 0.8 MiB
+     in bf16 (1.6 in float32), not the 33 MiB (66) of every tensor it made laid end to end.
   2. binding: every pointer and tensor of the record is rewritten into the arena.
 A fusion would be a pass over the record between the two (as vLLM's passes over captured graphs).
 Two were built and measured, and lost: the RMSNorm done inside the product after it, and
