@@ -12,7 +12,6 @@ scripts/gpu_smoke.py's `graphs` section checks the real capture on a GPU.
 
 import argparse
 import functools
-import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels on CPU
@@ -122,17 +121,8 @@ def test_inputs_keep_their_addresses_and_pad_inert():
 def triton_forms(model):
     """The CUDA backend's Triton forms (cuda/backend.py: norms, RoPE + store, silu·mul, attention,
     split-K at these batch sizes) on `model`, interpreted on CPU."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    import nanoserve.cuda.activation_triton as act
-    import nanoserve.cuda.backend as cuda_backend
-    import nanoserve.cuda.decode_attention_triton as dat
-    import nanoserve.cuda.norm_rope_triton as nr
-    import nanoserve.cuda.paged_attention_triton as pat
-    if not isinstance(pat._store_kv_kernel, InterpretedFunction):   # imported compiled before us
-        for module in (pat, dat, nr, act):
-            importlib.reload(module)
-        cuda_backend = importlib.reload(cuda_backend)
+    from triton_kit import triton_modules
+    cuda_backend = triton_modules()[-1]
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.impl = functools.partial(cuda_backend.rms_norm, module)

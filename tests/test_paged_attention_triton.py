@@ -16,7 +16,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before triton is imported
 
 import functools
-import importlib
 import math
 import subprocess
 import sys
@@ -28,23 +27,15 @@ import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import nanoserve.cuda.backend as cuda_backend  # noqa: E402
-import nanoserve.cuda.decode_attention_triton as dat  # noqa: E402
-import nanoserve.cuda.paged_attention_triton as pat  # noqa: E402
 from nanoserve.paged_attention import paged_attention_torch, store_kv_torch  # noqa: E402
+from triton_kit import triton_modules  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-# triton.jit picks interpreter or compiler when the module is imported; if another test imported it
-# first in the other mode, re-import it in ours.
-if isinstance(pat._store_kv_kernel, InterpretedFunction) != INTERPRET:
-    pat = importlib.reload(pat)
-    dat = importlib.reload(dat)
-    cuda_backend = importlib.reload(cuda_backend)
+pat, dat, _, _, cuda_backend = triton_modules()
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -22,30 +22,21 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before triton is imported
 
-import importlib  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-import nanoserve.cuda.activation_triton as act  # noqa: E402
-import nanoserve.cuda.backend as cuda_backend  # noqa: E402
-import nanoserve.cuda.decode_attention_triton as dat  # noqa: E402
-import nanoserve.cuda.norm_rope_triton as nr  # noqa: E402
-import nanoserve.cuda.paged_attention_triton as pat  # noqa: E402
 from nanoserve.cuda.quantized import per_token_quant_fp8_torch, scaled_mm_linear  # noqa: E402
 from nanoserve.layers import Linear, RMSNorm, RopeStoreKV, SiluAndMul  # noqa: E402
 from nanoserve.quantization import quantize  # noqa: E402
+from triton_kit import triton_modules  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-if isinstance(nr._rms_norm_kernel, InterpretedFunction) != INTERPRET:  # imported in the other mode
-    pat, dat, nr, act = (importlib.reload(m) for m in (pat, dat, nr, act))
-    cuda_backend = importlib.reload(cuda_backend)   # after them: it binds their functions
+pat, dat, nr, act, cuda_backend = triton_modules()
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # bf16: two bf16 steps (2^-7 relative each, or 2^-7 near 1 where RoPE's sums cancel) where the
