@@ -6,6 +6,7 @@ forms that may replace it, chosen once at load (vLLM's CustomOp).
     SiluAndMul    silu(gate) * up from the MLP's fused gate_up rows
     RopeStoreKV   RoPE on q and k, then k and v written into the paged cache; returns q
     Attention     each new token over its request's cached tokens (paged_attention.py)
+    FusedMoE      a mixture of experts: each token's top-k experts' MLPs, weighted by the router
 
 `forward_native` is the torch reference: the code the lessons cite, and what every other form is
 tested against. `impl` is what `forward` calls: `forward_native` until a backend gives the op its
@@ -140,6 +141,70 @@ class Attention(CustomOp):
     def forward_native(self, q: Tensor, kv_cache: tuple[Tensor, Tensor],
                        attn_metadata: AttentionMetadata) -> Tensor:
         return paged_attention_torch(q, *kv_cache, attn_metadata, self.scale)
+
+
+def select_experts(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """The router: each token's top_k experts and their weights, from a softmax (in float32, as
+    HF) over all the experts' logits; `renormalize` (Mixtral, Qwen3-MoE's norm_topk_prob) rescales
+    the k weights to sum to 1. Returns (weights [tokens, k] float32, expert ids [tokens, k]).
+
+    >>> w, ids = select_experts(torch.tensor([[0.0, 2.0, 1.0, 2.0]]), top_k=2, renormalize=True)
+    >>> ids.tolist(), w.tolist()
+    ([[1, 3]], [[0.5, 0.5]])
+    """
+    weights, ids = torch.softmax(router_logits, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedMoE(CustomOp):
+    """A mixture of experts' MLPs (vLLM's FusedMoE): each token goes through the `top_k` experts
+    its router logits pick (select_experts), and the experts' outputs are summed with the router's
+    weights. Expert e is a gated MLP like LlamaMLP: w13_weight[e] [2 * intermediate, hidden] (gate
+    rows, then up rows), w2_weight[e] [hidden, intermediate].
+    `expert_ids`: the global ids of the experts this rank holds, in the order of the weights'
+    first dimension (all of them without expert parallel); a token routed to an expert held
+    elsewhere contributes nothing here, and the ranks' partial sums are added across them.
+    quantization: w13_weight_scale [E, 2 * intermediate] and w2_weight_scale [E, hidden] hold
+    each expert's per-output-channel scales, as Linear's weight_scale."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, expert_ids: Optional[list[int]] = None,
+                 quantization: Optional[str] = None):
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.expert_ids = list(range(num_experts)) if expert_ids is None else list(expert_ids)
+        self.quantization = quantization
+        local, dtype = len(self.expert_ids), (None if quantization is None else quantized_dtype(quantization))
+        for name, rows, cols in (("w13", 2 * intermediate_size, hidden_size),
+                                 ("w2", hidden_size, intermediate_size)):
+            self.register_parameter(f"{name}_weight", nn.Parameter(
+                torch.empty(local, rows, cols, dtype=dtype), requires_grad=quantization is None))
+            if quantization is not None:
+                self.register_buffer(f"{name}_weight_scale", torch.empty(local, rows, dtype=torch.float32))
+
+    def expert_weights(self, local: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Expert `local`'s (w13, w2) in the model dtype (dequantized if quantized)."""
+        if self.quantization is None:
+            return self.w13_weight[local], self.w2_weight[local]
+        return (dequantize(self.w13_weight[local], self.w13_weight_scale[local], dtype),
+                dequantize(self.w2_weight[local], self.w2_weight_scale[local], dtype))
+
+    def forward_native(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
+        """hidden [tokens, hidden_size], router_logits [tokens, num_experts] -> [tokens, hidden_size].
+        Tokens grouped by expert: one product pair per expert that got tokens."""
+        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out = torch.zeros_like(hidden)
+        for local, expert in enumerate(self.expert_ids):
+            token, slot = (ids == expert).nonzero(as_tuple=True)
+            if token.numel() == 0:
+                continue
+            w13, w2 = self.expert_weights(local, hidden.dtype)
+            gate, up = F.linear(hidden[token], w13).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2)
+            out.index_add_(0, token, y * weights[token, slot, None].to(hidden.dtype))
+        return out
 
 
 def greedy_argmax(logits: Tensor) -> Tensor:
