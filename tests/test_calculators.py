@@ -234,3 +234,26 @@ def test_cost_bad_input_and_cli(tmp_path, capsys):
 def test_plot_cost_without_break_even(tmp_path):
     plot_cost(CostInputs(**{**WORKED, "throughput": 100}), str(tmp_path / "c.png"))
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_memory_takes_a_hugging_face_id_and_fetches_only_its_config(monkeypatch):
+    """`nanoserve memory Org/Name`: config.json alone comes from the hub (never a weight file), and
+    the figures are those of the same config.json read locally."""
+    import huggingface_hub
+    shipped = str(Path(__file__).resolve().parent.parent / "examples" / "llama-3-8b-config.json")
+    fetched = []
+
+    def fake_download(repo_id, filename, **kwargs):
+        fetched.append((repo_id, filename))
+        return shipped
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    by_id = memory_report("meta-llama/Meta-Llama-3-8B", device_memory_gb=80, max_model_len=8192)
+    assert fetched == [("meta-llama/Meta-Llama-3-8B", "config.json")]
+    local = memory_report(shipped, device_memory_gb=80, max_model_len=8192)
+    assert (by_id.num_blocks, by_id.num_params) == (local.num_blocks, local.num_params)
+
+    def offline(repo_id, filename, **kwargs):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("cannot reach the hub (offline)")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    with pytest.raises(ValueError, match="could not be fetched from the Hugging Face hub.*offline"):
+        memory_report("Qwen/Qwen3-30B-A3B")

@@ -2,7 +2,13 @@
 
     nanoserve memory path/to/checkpoint --device-memory-gb 80 --max-model-len 8192
     nanoserve memory examples/llama-3-8b-config.json --device-memory-gb 24 --plot memory.png
+    nanoserve memory Qwen/Qwen3-8B --device-memory-gb 24   # a Hugging Face id: config.json only
     nanoserve memory                     # the built-in model on this machine's GPU, or CPU rule
+
+A Hugging Face model id is read as a VRAM calculator reads it: its config.json alone is
+downloaded (into the hub's cache; a token in HF_TOKEN for gated models), never the weights, and
+the parameters are counted on the engine's own model built on the "meta" device. Offline, the
+`examples/` configs and any local config.json work the same.
 
 It sizes the KV pool with the engine's own functions from model_loader.py, so the block count it
 prints is the block count the engine allocates at start-up:
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +65,7 @@ from nanoserve.model_loader import (CPU_KV_CACHE_GB, KV_BLOCKS_CAP_FACTOR,
 from nanoserve.quantization import quantized_weight_bytes
 
 GiB = 2**30
+HF_MODEL_ID = re.compile(r"[\w.-]+/[\w.-]+")     # "organisation/name", as the hub spells ids
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16, "fp8": torch.float8_e4m3fn}
 
@@ -115,6 +123,8 @@ def load_hf_config(model: str):
     or a config.json file (a checkpoint when safetensors files lie beside it)."""
     from transformers import AutoConfig
     path = resolve_model_path(model) if model == DEFAULT_MODEL else Path(model).expanduser()
+    if not path.exists() and HF_MODEL_ID.fullmatch(model):
+        path = fetch_config(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model: the directory {path} has no config.json")
@@ -125,6 +135,17 @@ def load_hf_config(model: str):
         return AutoConfig.from_pretrained(path), path.parent
     except (OSError, ValueError) as e:
         raise ValueError(f"model: {path} is not a readable HF config.json ({e})") from None
+
+
+def fetch_config(model_id: str) -> Path:
+    """The config.json of Hugging Face model `model_id` ("Qwen/Qwen3-8B"), downloaded alone."""
+    from huggingface_hub import hf_hub_download
+    try:
+        return Path(hf_hub_download(model_id, "config.json"))
+    except Exception as e:     # offline, unknown id, gated without a token: the hub's own words
+        raise ValueError(f"model: {model_id!r} is no local directory or file, and its config.json "
+                         f"could not be fetched from the Hugging Face hub ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def checkpoint_num_params(path: Path, tied: bool) -> Optional[int]:
