@@ -40,10 +40,10 @@ FIELDS = {"config": "", "arrive": "req prompt_len max_tokens", "alloc": "req blo
           "preempt": "req num_computed_tokens", "step_done": "duration_s sampled",
           "schedule": "scheduled running waiting num_prefill_tokens num_decode_tokens kv_used "
                       "kv_free kv_cached", "finish": "req reason prompt_len output_len",
-          "grammar_bitmask": "reqs", "spec_decode": "proposed accepted"}
+          "grammar_bitmask": "reqs", "spec_decode": "proposed accepted", "expert_load": "counts"}
 TYPES = {"t": (int, float), "duration_s": (int, float), "req": str, "reason": str, "blocks": list,
          "running": list, "waiting": list, "scheduled": dict, "sampled": dict, "reqs": list,
-         "proposed": dict, "accepted": dict}
+         "proposed": dict, "accepted": dict, "counts": list}
 
 
 class Tracer:
@@ -184,6 +184,8 @@ class Trace:
         self.spans: dict[int, tuple[float, float]] = {}
         self.prefix_queries = self.prefix_hits = 0        # tokens, counted like kv_cache.py
         self.max_block = -1                                # the highest block id in the trace
+        # mixture of experts: step -> tokens each expert received, [moe layer][expert]
+        self.expert_load: dict[int, list[list[int]]] = {}
         rebuild = _Rebuild(self)
         try:
             rebuild.run(events)
@@ -236,7 +238,7 @@ class _Rebuild:
                          "preempt": self.on_preempt, "schedule": self.on_schedule,
                          "step_done": self.on_step_done, "finish": self.on_finish,
                          "grammar_bitmask": self.on_grammar_bitmask,
-                         "spec_decode": self.on_spec_decode}
+                         "spec_decode": self.on_spec_decode, "expert_load": self.on_expert_load}
         self.spec: Optional[tuple[int, int]] = None
 
     def run(self, events: list[dict]) -> None:
@@ -334,6 +336,16 @@ class _Rebuild:
         for rid in e["reqs"]:
             self.trace.requests[rid].masked_steps.append(self.step)
         self.notes.append(f"grammar bitmask for {', '.join(e['reqs'])}")
+
+    def on_expert_load(self, e: dict) -> None:
+        """A mixture of experts' step: how many tokens each expert of each MoE layer received."""
+        counts, earlier = e["counts"], next(iter(self.trace.expert_load.values()), None)
+        if not all(isinstance(layer, list) and all(isinstance(n, int) and n >= 0 for n in layer)
+                   for layer in counts):
+            raise ValueError("expert_load counts must be lists (a layer) of token counts >= 0")
+        if earlier is not None and [len(x) for x in counts] != [len(x) for x in earlier]:
+            raise ValueError("expert_load counts change shape (layers x experts) between steps")
+        self.trace.expert_load[self.step] = counts
 
     def on_finish(self, e: dict) -> None:
         rid, r = e["req"], self.trace.requests[e["req"]]

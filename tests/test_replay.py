@@ -19,7 +19,7 @@ from rich.console import Console
 from fake_engine import FakeRunner, make_request, make_scheduler
 from nanoserve import cli
 from nanoserve.tools.replay import Layout, main, render
-from nanoserve.tools.replay_plots import chrome_trace, summary, write_plots
+from nanoserve.tools.replay_plots import chrome_trace, summary, summary_table, write_plots
 from nanoserve.trace import Trace, Tracer
 
 
@@ -232,3 +232,36 @@ def test_compare_puts_two_summaries_side_by_side(hand_trace, tmp_path, capsys):
     assert rows["steps"] == ["4", str(other["steps"])]
     assert rows["preemptions"] == ["0", str(other["preemptions"])]
     assert rows["prefix cache hit rate"][0] == "26.7% of prompt tokens"
+
+
+def test_expert_load_summary_and_figure(hand_trace, tmp_path):
+    """A mixture of experts' trace: 2 MoE layers of 4 experts. Layer 0's totals [4, 4, 4, 4] are
+    even (imbalance 1.0); layer 1's [8, 4, 4, 0] give max / mean = 8 / 4 = 2.0."""
+    loads = {1: [[2, 2, 2, 2], [4, 2, 2, 0]], 2: [[1, 1, 1, 1], [3, 1, 0, 0]],
+             3: [[1, 1, 1, 1], [1, 1, 2, 0]]}
+    lines = open(hand_trace).read().splitlines()
+    out = []
+    for line in lines:
+        out.append(line)
+        e = json.loads(line)
+        if e["ev"] == "step_done" and e["step"] in loads:
+            out.append(json.dumps(dict(ev="expert_load", step=e["step"], t=e["t"],
+                                       counts=loads[e["step"]])))
+    path = tmp_path / "moe.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    trace = Trace.load(str(path))
+    load = summary(trace)["expert_load"]
+    assert load["totals"] == [[4, 4, 4, 4], [8, 4, 4, 0]]
+    assert load["imbalance"] == pytest.approx([1.0, 2.0])
+    assert summary(Trace.load(hand_trace))["expert_load"] is None     # a dense model's trace
+    paths = write_plots(trace, str(tmp_path / "figs"))
+    assert paths[-1].endswith("expert_load.png") and open(paths[-1], "rb").read()[:4] == b"\x89PNG"
+    console = Console(width=200, file=io.StringIO(), color_system=None)
+    console.print(summary_table(trace))
+    assert ("4 experts x 2 MoE layers; imbalance (max/mean) 1.50 on average, 2.00 at worst "
+            "(MoE layer 1)") in console.file.getvalue()
+    # A step whose counts change shape is named, not a crash.
+    bad = [line.replace("[[1, 1, 1, 1], [1, 1, 2, 0]]", "[[1, 1, 1], [1, 1, 2, 0]]") for line in out]
+    path.write_text("\n".join(bad) + "\n")
+    with pytest.raises(ValueError, match="counts change shape"):
+        Trace.load(str(path))

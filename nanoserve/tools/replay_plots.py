@@ -13,7 +13,9 @@ The figures, all over the engine's step number (one step = one forward pass):
 - gantt.png: one row per request: waiting, prefill chunks, decode steps, preemptions (x);
 - kv_blocks.png: KV blocks used / cached free / free, stacked, preemptions marked;
 - tokens.png: tokens per step, prefill and decode, against max_num_batched_tokens;
-- latency_cdf.png: CDFs of time to first token and end-to-end latency.
+- latency_cdf.png: CDFs of time to first token and end-to-end latency;
+- expert_load.png (a mixture of experts' trace only): each MoE layer's share of tokens per expert
+  over the run, and its imbalance (max / mean) step by step.
 
 Figures are drawn on `matplotlib.figure.Figure` directly (no pyplot), so no display and no
 global backend are needed. Input is a `Trace` (nanoserve/trace.py reads the file); this module
@@ -75,7 +77,25 @@ def summary(trace: Trace) -> dict:
         "ttft_s": percentiles([ts[0] - r.arrive_t for r, ts in zip(reqs, times) if ts]),
         "itl_s": percentiles([b - a for ts in times for a, b in pairwise(ts)]),
         "e2e_s": percentiles([r.finish_t - r.arrive_t for r in reqs if r.finish_t is not None]),
+        "expert_load": expert_load(trace),
     }
+
+
+def imbalance(counts) -> float:
+    """max / mean of an expert load: 1.0 when every expert got as many tokens, E when one of E
+    got them all (the slowest expert sets the layer's time; vLLM's EPLB balances this number)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 1.0
+
+
+def expert_load(trace: Trace) -> Optional[dict]:
+    """A mixture of experts' routing over the run (None for a dense model's trace): per MoE
+    layer, the tokens each expert received in all, and that total's imbalance."""
+    if not trace.expert_load:
+        return None
+    totals = [[sum(steps) for steps in zip(*layer)] for layer in zip(*trace.expert_load.values())]
+    return {"layers": len(totals), "experts": len(totals[0]), "totals": totals,
+            "imbalance": [imbalance(t) for t in totals]}
 
 
 def percentiles(values: list[float], qs=(50, 90, 99)) -> Optional[dict[str, float]]:
@@ -104,15 +124,24 @@ def summary_table(*traces: Trace) -> Table:
         return (f"{s['structured_requests']} requests, {s['masked_steps']} request-steps masked "
                 "by their grammar") if s["structured_requests"] else "-"
 
+    def experts(s: dict) -> str:
+        load = s["expert_load"]
+        if load is None:
+            return "-"
+        worst = max(range(load["layers"]), key=load["imbalance"].__getitem__)
+        return (f"{load['experts']} experts x {load['layers']} MoE layers; imbalance (max/mean) "
+                f"{sum(load['imbalance']) / load['layers']:.2f} on average, "
+                f"{load['imbalance'][worst]:.2f} at worst (MoE layer {worst})")
+
     def column(s: dict) -> list[str]:
         rate, reasons = s["prefix_hit_rate"], ", ".join(f"{k} {v}" for k, v in s["finished"].items())
         return [f"{s['requests']} ({reasons})", str(s["steps"]), str(s["preemptions"]),
                 "off" if rate is None else f"{rate:.1%} of prompt tokens",
                 f"{s['mean_batch_size']:.2f} requests, {s['mean_tokens_per_step']:.1f} tokens per "
-                "step", str(s["output_tokens"]), structured(s), ms(s["ttft_s"]), ms(s["itl_s"]),
-                ms(s["e2e_s"])]
+                "step", str(s["output_tokens"]), structured(s), experts(s), ms(s["ttft_s"]),
+                ms(s["itl_s"]), ms(s["e2e_s"])]
     names = ["requests", "steps", "preemptions", "prefix cache hit rate", "mean batch size",
-             "output tokens", "structured outputs", "time to first token p50/p90/p99",
+             "output tokens", "structured outputs", "expert load", "time to first token p50/p90/p99",
              "inter-token latency p50/p90/p99", "end-to-end latency p50/p90/p99"]
     for name, *values in zip(names, *(column(summary(t)) for t in traces)):
         table.add_row(name, *values)
@@ -120,11 +149,13 @@ def summary_table(*traces: Trace) -> Table:
 
 
 def write_plots(trace: Trace, out_dir: str) -> list[str]:
-    """Draw the four figures into out_dir (created if missing); returns their paths."""
+    """Draw the figures into out_dir (created if missing); returns their paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for name, draw in (("gantt", gantt), ("kv_blocks", kv_blocks), ("tokens", tokens),
-                       ("latency_cdf", latency_cdf)):
+    figures = [("gantt", gantt), ("kv_blocks", kv_blocks), ("tokens", tokens),
+               ("latency_cdf", latency_cdf)] + ([("expert_load", expert_load_figure)]
+                                                if trace.expert_load else [])
+    for name, draw in figures:
         fig = draw(trace)
         fig.suptitle(f"{os.path.basename(trace.path)}: {fig.get_suptitle()}", fontsize=11)
         path = os.path.join(out_dir, f"{name}.png")
@@ -211,6 +242,27 @@ def tokens(trace: Trace) -> Figure:
     else:
         ax.set_title(f"{budget}: far above these bars", fontsize=9)
     return _over_steps(fig, ax, "tokens", "tokens per step", legend_columns=3)
+
+
+def expert_load_figure(trace: Trace) -> Figure:
+    """Left: each MoE layer's tokens per expert over the run, as shares of the layer's total
+    (even routing: every cell 1 / E). Right: each layer's imbalance (max / mean), step by step."""
+    load, steps = expert_load(trace), sorted(trace.expert_load)
+    shares = [[n / max(sum(t), 1) for n in t] for t in load["totals"]]
+    per_step = [[imbalance(trace.expert_load[s][layer]) for s in steps]
+                for layer in range(load["layers"])]
+    fig = Figure(figsize=(11, 1.8 + 0.22 * load["layers"]), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1, 2])
+    fig.colorbar(left.imshow(shares, aspect="auto", cmap="viridis", interpolation="nearest"),
+                 ax=left, label="share of the layer's tokens")
+    left.set_xlabel("expert")
+    left.set_ylabel("MoE layer")
+    image = right.imshow(per_step, aspect="auto", cmap="magma", interpolation="nearest",
+                         extent=(steps[0] - 0.5, steps[-1] + 0.5, load["layers"] - 0.5, -0.5))
+    fig.colorbar(image, ax=right, label="imbalance (max / mean)")
+    right.set_xlabel("step")
+    fig.suptitle(f"expert load ({load['experts']} experts, {load['layers']} MoE layers)")
+    return fig
 
 
 def latency_cdf(trace: Trace) -> Figure:
