@@ -166,3 +166,76 @@ def test_the_moe_is_one_opaque_call_of_the_record():
     assert len(moe_calls) == TINY["num_hidden_layers"]
     assert all(isinstance(arg, type(graph.output_ref)) for call in moe_calls for arg in call.args)
     assert not [call for call in graph.record if "nonzero" in str(call.fn) or "sort" in str(call.fn)]
+
+
+# ----------------------------------------------------------------------------- the Triton form
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+# The interpreter's tl.dot multiplies bf16's raw uint16 bits (test_paged_attention_triton.py), so
+# bf16 runs on GPUs only; float16 takes the kernel's 16-bit path through the interpreter.
+TRITON_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    INTERPRET, reason="Triton interpreter has no bfloat16 tl.dot"))]
+TRITON_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+              torch.bfloat16: TOL[torch.bfloat16]}
+
+
+@pytest.fixture(scope="module")
+def triton_moe():
+    pytest.importorskip("triton")
+    if not INTERPRET and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 needs a CUDA device")
+    from triton_kit import triton_modules
+    return triton_modules()[4]
+
+
+def triton_form(module):
+    def form(op, hidden, logits):
+        op = op.to(DEVICE)
+        return module.fused_moe_triton(op, module.expert_map(op), hidden.to(DEVICE), logits.to(DEVICE)).cpu()
+    return form
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+def test_triton_form_matches_forward_native(triton_moe, case, dtype):
+    check_case(triton_form(triton_moe), case, dtype, tol=TRITON_TOL[dtype])
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+def test_triton_form_on_quantized_experts(triton_moe, quantization, dtype):
+    """The weights widened in the kernel and scaled per output channel after the sums."""
+    for case in ("spread", "a subset held"):
+        check_case(triton_form(triton_moe), case, dtype, quantization, tol=TRITON_TOL[dtype])
+
+
+def test_moe_align_block_size_on_the_docstring_example(triton_moe):
+    """fused_moe_triton's docstring: 2 tokens, top-2, ids [[2, 0], [2, 1]], blocks of 4; and a
+    rank holding experts 2 and 0 (in that order), where expert 1's block is -1."""
+    ids = torch.tensor([[2, 0], [2, 1]], device=DEVICE)
+    sorted_ids, expert_ids, post = triton_moe.moe_align_block_size(ids, 4, torch.arange(3, dtype=torch.int32, device=DEVICE))
+    assert sorted_ids.tolist()[:12] == [1, 4, 4, 4, 3, 4, 4, 4, 0, 2, 4, 4] and post.tolist() == [12]
+    assert sorted_ids.shape[0] == 4 + 3 * 3 and expert_ids.tolist()[:3] == [0, 1, 2]
+    _, expert_ids, _ = triton_moe.moe_align_block_size(ids, 4, torch.tensor([1, -1, 0], dtype=torch.int32, device=DEVICE))
+    assert expert_ids.tolist()[:3] == [1, -1, 0]
+
+
+def test_cuda_bind_gives_fused_moe_its_triton_form(triton_moe, monkeypatch):
+    """cuda/backend.bind (interpreted; the GPU's capability faked) on the tiny Llama with MoE MLPs:
+    each FusedMoE bound to fused_moe_triton == its forward_native, and warmed at both tiles."""
+    from triton_kit import triton_modules
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    warmed, real = [], triton_moe.moe_config
+    monkeypatch.setattr(triton_moe, "moe_config", lambda tokens, experts: warmed.append(tokens) or real(tokens, experts))
+    model = moe_model(torch.float32).to(DEVICE)
+    reference = copy.deepcopy(model.model.layers[0].mlp.experts)
+    triton_modules()[-1].bind(model, Config(enforce_eager=True), {})
+    assert warmed == [1, EXPERTS + 1]     # one shape of FusedMoE, each of its two tiles
+    moe = model.model.layers[0].mlp.experts
+    assert moe.impl.func is triton_moe.fused_moe_triton
+    hidden, logits = (t.to(DEVICE) for t in inputs(5, {}, torch.float32))
+    hidden = torch.cat([hidden, -hidden], dim=1)     # the model's width: 64
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(hidden, logits), reference.forward_native(hidden, logits),
+                                   **TRITON_TOL[torch.float32])
