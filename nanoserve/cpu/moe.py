@@ -40,15 +40,16 @@ class CpuFusedMoE:
     def __init__(self, op: FusedMoE, dtype: torch.dtype, config: Config, labels: dict[str, str]):
         self.top_k, self.renormalize, local = op.top_k, op.renormalize, len(op.expert_ids)
         rows = timed_rows(config.max_num_batched_tokens)
-        self.experts = []     # [w13 Gemms, w2 Gemms], one per local expert
+        gemms = {}
         for name in ("w13", "w2"):
             weight = getattr(op, f"{name}_weight").detach()
             scale = getattr(op, f"{name}_weight_scale") if op.quantization else None
             path = choose_path(labels, experts_label(weight), weight[0], None,
                                None if scale is None else scale[0], dtype, rows, config)
-            self.experts.append([make_gemm(path, weight[e], None, None if scale is None else scale[e], dtype)
-                                 for e in range(local)])
+            gemms[name] = [make_gemm(path, weight[e], None, None if scale is None else scale[e], dtype)
+                           for e in range(local)]
             setattr(op, f"{name}_weight", None)
+        self.experts = list(zip(gemms["w13"], gemms["w2"]))   # (w13, w2) per local expert
         # global expert id -> local index; an expert held elsewhere -> `local`, sorted last, dropped
         self.local_of = torch.full((op.num_experts,), local)
         self.local_of[op.expert_ids] = torch.arange(local)
@@ -65,11 +66,11 @@ class CpuFusedMoE:
         weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         local = self.local_of[ids.flatten()]
         order = local.argsort(stable=True)   # pairs by local expert, tokens ascending within one
-        counts = torch.bincount(local, minlength=len(self.experts[0]) + 1).tolist()[:-1]
+        counts = torch.bincount(local, minlength=len(self.experts) + 1).tolist()[:-1]
         held = sum(counts)
         tokens = order[:held] // self.top_k
         rows, ys, start = hidden[tokens], [], 0
-        for (w13, w2), n in zip(zip(*self.experts), counts):
+        for (w13, w2), n in zip(self.experts, counts):
             if n:
                 ys.append(w2.product(silu_and_mul(w13.product(rows[start:start + n]))))
                 start += n

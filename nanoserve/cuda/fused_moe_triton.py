@@ -74,7 +74,7 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, expert_map: Tensor
     rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[expert]   # within its expert
     sorted_token_ids = torch.full((pairs + min(num_experts, pairs) * (block_size - 1),), pairs,
                                   dtype=torch.int32, device=device)
-    sorted_token_ids[(ends - padded)[expert] + rank] = order.to(torch.int32)
+    sorted_token_ids.scatter_(0, (ends - padded)[expert] + rank, order.to(torch.int32))
     block_starts = torch.arange(triton.cdiv(sorted_token_ids.shape[0], block_size), device=device) * block_size
     block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1)
     return sorted_token_ids, expert_map[block_expert], ends[-1:].to(torch.int32)
