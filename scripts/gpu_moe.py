@@ -63,18 +63,24 @@ def relative_error(op: FusedMoE, tokens: int, dtype: torch.dtype, device="cuda")
     return ((bound(op)(hidden, logits).float() - expected).abs().max() / expected.abs().max()).item()
 
 
-@torch.inference_mode()
-def fused_moe() -> str:
-    errors, ratios = {}, []
-    bf16 = random_moe(torch.bfloat16)
+def bf16_ratios(errors: dict[str, float]) -> list[float]:
+    """In bf16, at each of TOKENS: the error into `errors`; returns the per-expert loop's time over
+    the Triton form's."""
+    op, ratios = random_moe(torch.bfloat16), []
     for tokens in TOKENS:
-        errors[f"bfloat16 {tokens}"] = relative_error(bf16, tokens, torch.bfloat16)
-        args = inputs(bf16, tokens, torch.bfloat16)
-        ours, reference = gpu_us(lambda: bound(bf16)(*args))[0], gpu_us(lambda: bf16.forward_native(*args), 10)[0]
+        errors[f"bfloat16 {tokens}"] = relative_error(op, tokens, torch.bfloat16)
+        args = inputs(op, tokens, torch.bfloat16)
+        ours, reference = gpu_us(lambda: bound(op)(*args))[0], gpu_us(lambda: op.forward_native(*args), 10)[0]
         ratios.append(reference / ours)
         print(f"bf16 {tokens:3} tokens: Triton {ours:8.1f} µs, per-expert loop {reference:8.1f} µs "
               f"({reference / ours:.1f}x); error {errors[f'bfloat16 {tokens}']:.1e}")
-    del bf16
+    return ratios
+
+
+@torch.inference_mode()
+def fused_moe() -> str:
+    errors = {}
+    ratios = bf16_ratios(errors)
     free_cuda_memory()
     for name, dtype, quantization in (("float32", torch.float32, None), ("int8", torch.bfloat16, "int8"),
                                       ("fp8", torch.bfloat16, "fp8")):

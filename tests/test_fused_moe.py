@@ -13,6 +13,7 @@ experts (expert_ids) in an order of its own, where the pairs routed elsewhere co
 """
 
 import copy
+import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before triton is imported
@@ -214,10 +215,11 @@ def test_moe_align_block_size_on_the_docstring_example(triton_moe):
     """fused_moe_triton's docstring: 2 tokens, top-2, ids [[2, 0], [2, 1]], blocks of 4; and a
     rank holding experts 2 and 0 (in that order), where expert 1's block is -1."""
     ids = torch.tensor([[2, 0], [2, 1]], device=DEVICE)
-    sorted_ids, expert_ids, post = triton_moe.moe_align_block_size(ids, 4, torch.arange(3, dtype=torch.int32, device=DEVICE))
+    local_of = functools.partial(torch.tensor, dtype=torch.int32, device=DEVICE)
+    sorted_ids, expert_ids, post = triton_moe.moe_align_block_size(ids, 4, local_of([0, 1, 2]))
     assert sorted_ids.tolist()[:12] == [1, 4, 4, 4, 3, 4, 4, 4, 0, 2, 4, 4] and post.tolist() == [12]
     assert sorted_ids.shape[0] == 4 + 3 * 3 and expert_ids.tolist()[:3] == [0, 1, 2]
-    _, expert_ids, _ = triton_moe.moe_align_block_size(ids, 4, torch.tensor([1, -1, 0], dtype=torch.int32, device=DEVICE))
+    _, expert_ids, _ = triton_moe.moe_align_block_size(ids, 4, local_of([1, -1, 0]))
     assert expert_ids.tolist()[:3] == [1, -1, 0]
 
 
@@ -227,7 +229,8 @@ def test_cuda_bind_gives_fused_moe_its_triton_form(triton_moe, monkeypatch):
     from triton_kit import triton_modules
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     warmed, real = [], triton_moe.moe_config
-    monkeypatch.setattr(triton_moe, "moe_config", lambda tokens, experts: warmed.append(tokens) or real(tokens, experts))
+    monkeypatch.setattr(triton_moe, "moe_config",
+                        lambda tokens, experts: warmed.append(tokens) or real(tokens, experts))
     model = moe_model(torch.float32).to(DEVICE)
     reference = copy.deepcopy(model.model.layers[0].mlp.experts)
     triton_modules()[-1].bind(model, Config(enforce_eager=True), {})

@@ -66,7 +66,8 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, expert_map: Tensor
     Blocks past num_tokens_post_padded are never read (the kernel's programs there return)."""
     num_experts, pairs, device = expert_map.shape[0], topk_ids.numel(), topk_ids.device
     flat = topk_ids.flatten()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))     # bincount's length would need a sync
     padded = (counts + block_size - 1) // block_size * block_size
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)     # pairs by expert, ascending within one
