@@ -9,6 +9,7 @@ Sections, in order; each runs even when one before it failed (a failure prints i
   warm-up          compile_kernels' time, and no compile left for serving steps after it
   kernels          compiled store_kv + attention == the torch reference at real head shapes, fp32, bf16
   triton ops       norm, RoPE + store, silu·mul, fp8 activations, split-K decode == their references
+  fused moe        the Triton fused MoE == FusedMoE's reference at Qwen3-30B-A3B's layer, its time (gpu_moe.py)
   LLM float32      LLM(device='cuda') start-up time and KV pool; its greedy == CPU greedy, token for token
   LLM bfloat16     bf16 greedy vs float32 greedy: the fraction of tokens that agree
   fp8 products     torch._scaled_mm == dequantize-then-F.linear, 1-300 rows; its time against bf16's
@@ -42,6 +43,7 @@ from types import SimpleNamespace
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, whatever the caller's environment says
 import torch  # noqa: E402
 from gpu_graphs import free_cuda_memory, gpu_us, graph_speed, graphs  # noqa: E402  (scripts/ is on sys.path)
+from gpu_moe import fused_moe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Once upon a time", "The little dog", "A bird sang", "Tell me a story about a cat."]
@@ -410,6 +412,7 @@ def main() -> int:
     print(f"{props.name}, compute capability {props.major}.{props.minor}, {props.total_memory / 2**30:.0f} GiB; "
           f"torch {torch.__version__}, triton {triton.__version__}")
     sections = [("warm-up", warm_up, 60), ("kernels", kernels, 120), ("triton ops", triton_ops, 60),
+                ("fused moe", fused_moe, 90),
                 ("LLM float32", llm_float32, 150),
                 ("LLM bfloat16", llm_bfloat16, 60), ("fp8 products", fp8_products, 60),
                 ("quantized model", quantized_model, 90), ("speculation", speculation, 90),

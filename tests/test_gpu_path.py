@@ -8,7 +8,8 @@
   - the Triton kernels compile for real GPUs (sm_90 in bf16 and float32, sm_75 in float16) down
     to a cubin (ptxas), with the constexprs and warps their launchers pick, for every launch
     cuda/backend.compile_kernels makes: RoPE + store, unified and split-K attention (the
-    interpreter cannot see what only the compiler rejects; test_triton_ops.py: the row kernels).
+    interpreter cannot see what only the compiler rejects; test_triton_ops.py: the row kernels);
+    and the fused MoE's grouped GEMM at Qwen3-30B-A3B's layer, 16-bit dots on the tensor cores.
 
     pytest -q tests/test_gpu_path.py
 
@@ -159,7 +160,7 @@ def test_pool_from_a_huge_gpu_is_capped_as_the_calculator_caps_it(profiled, monk
 # -------------------------------------------------------------------------- the kernels compile
 
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+                torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8"}
 
 
 def compile_launch(kernel, args, kwargs, capability):
@@ -253,7 +254,36 @@ def compile_row_kernels() -> None:
     print(f"sm_90: {len(launches)} row kernels compiled")
 
 
-@pytest.mark.parametrize("compile_all", ["compile_every_launch", "compile_row_kernels"])
+def compile_fused_moe() -> None:
+    """fused_moe_triton's launches at Qwen3-30B-A3B's layer (hidden 2048, moe_intermediate 768,
+    top-8; 8 of its 128 experts, since their number is no argument the kernel specialises on), at
+    1 and 64 tokens (moe_config's two tiles), in bf16 with bf16, int8 and fp8 weights and in
+    float32: each distinct launch compiled for sm_90 to a cubin. Needs TRITON_INTERPRET=0 from the
+    start of its process."""
+    from nanoserve.cuda import activation_triton as act
+    from nanoserve.cuda import fused_moe_triton as moe
+    from nanoserve.layers import FusedMoE
+    with record_launches(moe, act) as launches:
+        for dtype, quantization in ((torch.bfloat16, None), (torch.bfloat16, "int8"),
+                                    (torch.bfloat16, "fp8"), (torch.float32, None)):
+            op = FusedMoE(8, 8, 2048, 768, renormalize=True, quantization=quantization)
+            op = op if quantization else op.to(dtype)
+            for tokens in (1, 64):
+                moe.fused_moe_triton(op, moe.expert_map(op), torch.zeros(tokens, 2048, dtype=dtype),
+                                     torch.zeros(tokens, 8, dtype=dtype))
+    distinct = {(k.fn.__name__, tuple(sorted(kw.items())), tuple(str(a.dtype) for a in args
+                                                               if isinstance(a, torch.Tensor))): (k, args, kw)
+                for k, args, kw in launches}
+    assert len(distinct) == 4 * 2 * 2 + 2     # each case's two GEMMs at two tiles, silu·mul twice
+    for kernel, args, kwargs in distinct.values():
+        compiled = compile_launch(kernel, args, kwargs, 90)
+        assert compiled.asm["cubin"], kernel.fn.__name__
+        if kernel.fn.__name__ == "_fused_moe_kernel":   # "ieee" keeps float32 off TF32, not bf16 off the MMA
+            assert ("mma" in compiled.asm["ptx"]) == (args[0].dtype == torch.bfloat16)
+    print(f"sm_90: {len(distinct)} fused MoE launches compiled")
+
+
+@pytest.mark.parametrize("compile_all", ["compile_every_launch", "compile_row_kernels", "compile_fused_moe"])
 def test_kernels_compile_for_gpus(compile_all):
     # In a fresh process: once the interpreter has run in a process (test_paged_attention_triton.py),
     # triton.language stays patched for it there and compiling fails.

@@ -35,7 +35,7 @@ INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-pat, dat, _, _, cuda_backend = triton_modules()
+pat, dat, _, _, _, cuda_backend = triton_modules()
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

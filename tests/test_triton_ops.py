@@ -36,7 +36,7 @@ INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
-pat, dat, nr, act, cuda_backend = triton_modules()
+pat, dat, nr, act, _, cuda_backend = triton_modules()
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # bf16: two bf16 steps (2^-7 relative each, or 2^-7 near 1 where RoPE's sums cancel) where the

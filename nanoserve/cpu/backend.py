@@ -8,7 +8,8 @@ What `bind` does, in order:
   1. glibc keeps freed activation memory (host_memory.py);
   2. every Linear gets the product path timed fastest here on its shape (gemm.py), and gives up
      its unpacked weight to it;
-  3. RMSNorm, SiluAndMul, RopeStoreKV and Attention get their C forms (ops.py);
+  3. RMSNorm, SiluAndMul, RopeStoreKV and Attention get their C forms (ops.py), FusedMoE its
+     grouped form (moe.py: each expert's products on the path timed for its shape);
   4. at one rank, in float32 or bf16 (the dtypes of the C forms) and unless enforce_eager, the
      forward is wrapped for capture (graph_capture.py with graphs.py's CpuGraph): the runner
      captures a decode step per size once its KV cache exists, and those steps replay.
@@ -30,9 +31,10 @@ from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.cpu.gemm import choose_cpu_gemms
 from nanoserve.cpu.graphs import CpuGraph
 from nanoserve.cpu.host_memory import keep_freed_memory, new_kv_cache
+from nanoserve.cpu.moe import CpuFusedMoE
 from nanoserve.cpu.ops import CpuAttentionMetadata, attention, rms_norm, rope_store_kv, silu_and_mul
 from nanoserve.graph_capture import GraphWrapper
-from nanoserve.layers import Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul
+from nanoserve.layers import Attention, Backend, FusedMoE, Linear, RMSNorm, RopeStoreKV, SiluAndMul
 
 
 def model_step(model, build_metadata, input_ids, positions, kv_caches, attn_metadata):
@@ -47,8 +49,8 @@ def bind(model, config: Config) -> Optional[Backend]:
     if cpu_kernels.load() is None:
         return None
     keep_freed_memory()
-    capturable = (config.tensor_parallel_size == 1
-                  and model.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
+    dtype = model.model.embed_tokens.weight.dtype    # the activations'
+    capturable = config.tensor_parallel_size == 1 and dtype in (torch.float32, torch.bfloat16)
     sizes = config.cudagraph_capture_sizes if capturable else []
     gemms, gemm_paths = choose_cpu_gemms(model, config)
     for module in model.modules():
@@ -62,6 +64,8 @@ def bind(model, config: Config) -> Optional[Backend]:
             module.impl = functools.partial(rope_store_kv, module)
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
+        elif isinstance(module, FusedMoE):
+            module.impl = CpuFusedMoE(module, dtype, config, gemm_paths).forward
     # A request verifying k drafts is k + 1 decodes (vLLM's reorder_batch_threshold): cpu/ops.py
     spec = config.speculative_config
     build_metadata = functools.partial(CpuAttentionMetadata.of, max_decode_query_len=1 + (

@@ -319,16 +319,24 @@ def choose_cpu_gemms(model, config: Config) -> tuple[dict, dict[str, str]]:
             continue
         w = layer.weight.detach()
         scale = layer.weight_scale if layer.quantization else None
-        label = gemm_label(layer, w.dtype)
-        if label not in labels:   # one path per label: what bench reports is what every such layer runs
-            paths = candidate_paths(w.dtype, dtype)
-            if config.cpu_gemm != "auto":
-                paths = [p for p in paths if p == config.cpu_gemm] or ["torch"]
-            rows = timed_rows(config.max_num_seqs if layer is model.lm_head else config.max_num_batched_tokens)
-            cost = time_paths(w, layer.bias, rows, paths, scale=scale, dtype=dtype) or {"torch": 0.0}
-            labels[label] = min(cost, key=cost.get)
-        gemms[layer] = make_gemm(labels[label], w, layer.bias, scale, dtype)
+        rows = timed_rows(config.max_num_seqs if layer is model.lm_head else config.max_num_batched_tokens)
+        path = choose_path(labels, gemm_label(layer, w.dtype), w, layer.bias, scale, dtype, rows, config)
+        gemms[layer] = make_gemm(path, w, layer.bias, scale, dtype)
     return gemms, labels
+
+
+def choose_path(labels: dict[str, str], label: str, weight: Tensor, bias: Optional[Tensor],
+                scale: Optional[Tensor], dtype: torch.dtype, rows: list[int], config: Config) -> str:
+    """`label`'s path in `labels`, timed on `weight` (make_gemm's arguments) and added there the
+    first time a label is seen: one path per label, so what bench reports is what every product
+    of that shape runs (the Linears here, FusedMoE's experts in moe.py)."""
+    if label not in labels:
+        paths = candidate_paths(weight.dtype, dtype)
+        if config.cpu_gemm != "auto":
+            paths = [p for p in paths if p == config.cpu_gemm] or ["torch"]
+        cost = time_paths(weight, bias, rows, paths, scale=scale, dtype=dtype) or {"torch": 0.0}
+        labels[label] = min(cost, key=cost.get)
+    return labels[label]
 
 
 def gemm_peak(path: str, dtype: torch.dtype, shapes: Iterable[tuple[int, int]], rows: int = 512,

@@ -13,6 +13,13 @@ Views compute nothing, and allocations happen once: neither is replayed. What th
 Python (which module, which shape, which branch) is decided during the capture, as in a CUDA
 graph; a capture that would read a tensor's values (.item(), nonzero) is refused.
 
+An op whose work depends on values (FusedMoE: which expert gets which tokens, moe.py) is recorded
+as ONE opaque call, as a C kernel is: a function wrapped by `opaque`, fn(*tensors), which writes
+its result into a tensor it is given. The recorder keeps the call with its tensors (the step's
+fixed buffers, bound into the arena like any other) and records nothing of what runs inside it;
+the replay calls the function again on the same buffers, and it decides afresh from their values
+(that call allocates its own temporaries, as the eager step does).
+
 Two steps turn the record into the replay, as a CUDA graph's memory pool does:
   1. `plan_memory`: each tensor the forward allocated gets a place in ONE arena shared by every
      captured size (graphs never run at the same time), by its lifetime in the record: two tensors
@@ -56,7 +63,8 @@ ALIGN = 64   # bytes: every planned tensor starts on a cache line (and on any dt
 @dataclass
 class Call:
     """One recorded call: a C kernel (`kernel`: its name) with its arguments, or a torch op that
-    writes `out` (a functional op, replayed into the tensor it returned) or its own arguments."""
+    writes `out` (a functional op, replayed into the tensor it returned) or its own arguments, or
+    an opaque function (which writes its own arguments, as an in-place op does)."""
     fn: object
     args: tuple
     kwargs: dict = field(default_factory=dict)
@@ -77,19 +85,34 @@ class Recorder(TorchDispatchMode):
     """Runs a forward and keeps every computing call (the module docstring), and every tensor
     the forward allocated (alive, so that each address stays the one recorded)."""
 
+    active: Optional["Recorder"] = None   # the one recording now (opaque calls report to it)
+
     def __init__(self):
         super().__init__()
         self.calls: list[Call] = []
         self.made: dict[int, Tensor] = {}   # storage address -> a tensor on it
+        self.inside_opaque = False          # within an opaque call: its work is not recorded
 
     def kernel(self, name: str, fn):
         def record(*args):
-            self.calls.append(Call(fn, args, kernel=name))
+            if not self.inside_opaque:
+                self.calls.append(Call(fn, args, kernel=name))
             return fn(*args)
         return record
 
+    def opaque(self, fn, args):
+        """fn(*args), kept as one call; nothing it runs is recorded (the module docstring)."""
+        self.calls.append(Call(fn, args))
+        self.inside_opaque = True
+        try:
+            return fn(*args)
+        finally:
+            self.inside_opaque = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.inside_opaque:
+            return func(*args, **kwargs)
         if _reads_values(func, args):
             raise RuntimeError(f"{func} reads a tensor's values: that step cannot be captured")
         out = func(*args, **kwargs)
@@ -115,11 +138,25 @@ class Recorder(TorchDispatchMode):
         try:
             for name, fn in originals.items():
                 setattr(library, name, self.kernel(name, fn))
+            Recorder.active = self
             with self:
                 return forward()
         finally:
+            Recorder.active = None
             for name, fn in originals.items():
                 setattr(library, name, fn)
+
+
+def opaque(fn):
+    """fn(*tensors), which writes its result into one of them, as one call of a captured step
+    however data-dependent its work (the module docstring); outside a capture, just fn."""
+    @functools.wraps(fn)
+    def call(*args):
+        recorder = Recorder.active
+        if recorder is None or recorder.inside_opaque:
+            return fn(*args)
+        return recorder.opaque(fn, args)
+    return call
 
 
 def _reads_values(func, args) -> bool:

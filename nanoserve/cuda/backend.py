@@ -1,7 +1,8 @@
 """backend.py: the CUDA backend: the ops of layers.py as Triton kernels, each one launch: RMSNorm
 with its residual add, RoPE with the K/V store (norm_rope_triton.py), silu·mul
 (activation_triton.py) and attention over the paged cache (paged_attention_triton.py's unified
-kernel, or decode_attention_triton.py's split-K for a decode step of few requests); the products
+kernel, or decode_attention_triton.py's split-K for a decode step of few requests); FusedMoE as
+vLLM's fused MoE (fused_moe_triton.py: a grouped GEMM over the tokens sorted by expert); the products
 on cuBLAS, fp8 ones on torch._scaled_mm where the GPU has them, their activations quantized by one
 kernel (quantized.py). Decode-only steps replay CUDA graphs of the model (graphs.py,
 graph_capture.py).
@@ -20,13 +21,14 @@ from torch import Tensor
 from nanoserve.config import Config
 from nanoserve.cuda.activation_triton import per_token_quant_fp8_triton, silu_and_mul_triton
 from nanoserve.cuda.decode_attention_triton import split_kv_decode_attention, uses_split_kv
+from nanoserve.cuda.fused_moe_triton import expert_map, fused_moe_triton
 from nanoserve.cuda.graphs import CUDAGraph
 from nanoserve.cuda.norm_rope_triton import rms_norm_triton, rope_store_kv_triton
 from nanoserve.cuda.paged_attention_triton import paged_attention_triton
 from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
 from nanoserve.graph_capture import GraphWrapper
-from nanoserve.layers import (Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul,
-                              gemm_label)
+from nanoserve.layers import (Attention, Backend, FusedMoE, Linear, RMSNorm, RopeStoreKV,
+                              SiluAndMul, gemm_label)
 
 
 def rms_norm(op: RMSNorm, x: Tensor, residual: Tensor | None = None):
@@ -70,6 +72,8 @@ def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
             module.impl = rope_store_kv
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
+        elif isinstance(module, FusedMoE):
+            module.impl = functools.partial(fused_moe_triton, module, expert_map(module))
     attn = model.model.layers[0].self_attn
     compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size, dtype,
                     model.model.embed_tokens.weight.device)
@@ -117,14 +121,21 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
 def compile_row_ops(model) -> None:
     """Each row kernel bound to `model` once, on two zero rows of its shapes (the norms' residual
     add or not, Qwen3's per-head norms on views of the qkv rows, each fp8 product's width): one
-    variant each, since none of their integer arguments changes between steps."""
+    variant each, since none of their integer arguments changes between steps. Each FusedMoE
+    shape at 1 token and at one more than its experts: both of moe_config's tiles."""
     layer = model.model.layers[0]
     device, dtype = layer.input_layernorm.weight.device, model.model.embed_tokens.weight.dtype
     zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
     hidden = zeros(2, layer.input_layernorm.weight.shape[0])
     layer.input_layernorm.impl(hidden)
     layer.input_layernorm.impl(hidden, hidden.clone())
-    layer.mlp.act_fn.impl(zeros(2, layer.mlp.gate_up_proj.out_features))
+    if hasattr(layer.mlp, "gate_up_proj"):   # a dense MLP (a MoE block's silu·mul: its FusedMoE's)
+        layer.mlp.act_fn.impl(zeros(2, layer.mlp.gate_up_proj.out_features))
+    moes = {(m.num_experts, m.top_k, m.quantization, m.w13_weight.shape): m
+            for m in model.modules() if isinstance(m, FusedMoE)}
+    for moe in moes.values():
+        for rows in (1, moe.num_experts + 1):
+            moe.impl(zeros(rows, moe.w13_weight.shape[2]), zeros(rows, moe.num_experts))
     attn = layer.self_attn
     if attn.qk_norm:
         qkv = zeros(2, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
