@@ -176,6 +176,9 @@ class FusedMoE(CustomOp):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.expert_ids = list(range(num_experts)) if expert_ids is None else list(expert_ids)
         self.quantization = quantization
+        # vLLM's hook for a router of one's own (lesson 9's exercise puts the learner's here):
+        # (router_logits, top_k, renormalize) -> (weights, expert ids), as select_experts
+        self.custom_routing_function: Optional[Callable] = None
         local, dtype = len(self.expert_ids), (None if quantization is None else quantized_dtype(quantization))
         for name, rows, cols in (("w13", 2 * intermediate_size, hidden_size),
                                  ("w2", hidden_size, intermediate_size)):
@@ -183,6 +186,12 @@ class FusedMoE(CustomOp):
                 torch.empty(local, rows, cols, dtype=dtype), requires_grad=quantization is None))
             if quantization is not None:
                 self.register_buffer(f"{name}_weight_scale", torch.empty(local, rows, dtype=torch.float32))
+
+    def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Each token's (weights, expert ids): select_experts, or custom_routing_function if set.
+        Every form of the op routes here."""
+        return (self.custom_routing_function or select_experts)(router_logits, self.top_k,
+                                                                 self.renormalize)
 
     def expert_weights(self, local: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Expert `local`'s (w13, w2) in the model dtype (dequantized if quantized)."""
@@ -194,7 +203,7 @@ class FusedMoE(CustomOp):
     def forward_native(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
         """hidden [tokens, hidden_size], router_logits [tokens, num_experts] -> [tokens, hidden_size].
         Tokens grouped by expert: one product pair per expert that got tokens."""
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        weights, ids = self.route(router_logits)
         out = torch.zeros_like(hidden)
         for local, expert in enumerate(self.expert_ids):
             token, slot = (ids == expert).nonzero(as_tuple=True)

@@ -1,7 +1,7 @@
 """moe.py: the CPU backend's form of FusedMoE (layers.py), the mixture of experts.
 
 What FusedMoE.forward_native computes, grouped once instead of once per expert: the router
-(select_experts) gives each token its top_k experts; the (token, expert) pairs are sorted by the
+(FusedMoE.route: select_experts) gives each token its top_k experts; the (token, expert) pairs are sorted by the
 expert that holds them here, so each expert's tokens are one contiguous block of gathered rows;
 each expert with tokens runs its two products on the path gemm.py timed for that shape (its
 weights packed once per expert where the path packs; int8 weights on gemm.c's int8 product)
@@ -25,7 +25,7 @@ from nanoserve.config import Config
 from nanoserve.cpu.gemm import choose_path, make_gemm, timed_rows
 from nanoserve.cpu.graphs import opaque
 from nanoserve.cpu.ops import silu_and_mul
-from nanoserve.layers import FusedMoE, select_experts
+from nanoserve.layers import FusedMoE
 
 
 def experts_label(weight: Tensor) -> str:
@@ -38,7 +38,7 @@ class CpuFusedMoE:
     they multiply (as a Linear's does), so the op keeps none (forward_native cannot run after)."""
 
     def __init__(self, op: FusedMoE, dtype: torch.dtype, config: Config, labels: dict[str, str]):
-        self.top_k, self.renormalize, local = op.top_k, op.renormalize, len(op.expert_ids)
+        self.route, self.top_k, local = op.route, op.top_k, len(op.expert_ids)
         rows = timed_rows(config.max_num_batched_tokens)
         gemms = {}
         for name in ("w13", "w2"):
@@ -63,7 +63,7 @@ class CpuFusedMoE:
 
     def compute_into(self, hidden: Tensor, router_logits: Tensor, out: Tensor) -> None:
         """out = FusedMoE.forward_native(hidden, router_logits) (the module docstring)."""
-        weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+        weights, ids = self.route(router_logits)
         local = self.local_of[ids.flatten()]
         order = local.argsort(stable=True)   # pairs by local expert, tokens ascending within one
         counts = torch.bincount(local, minlength=len(self.experts) + 1).tolist()[:-1]

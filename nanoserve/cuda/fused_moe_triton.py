@@ -10,7 +10,7 @@ launched twice (w13, then w2), silu·mul between.
                         channel scaled after the sums; a block of an expert held elsewhere
                         (expert id -1) writes zeros; w2's launch also scales each row by its pair's
                         router weight.
-  fused_moe_triton      FusedMoE.forward: select_experts, the alignment, hidden -> w13 -> [pairs,
+  fused_moe_triton      FusedMoE.forward: the router (op.route), the alignment, hidden -> w13 -> [pairs,
                         2I], silu_and_mul_triton (activation_triton.py) -> [pairs, I], -> w2 ->
                         [pairs, H], and each token's k rows summed.
 
@@ -38,7 +38,7 @@ import triton.language as tl
 from torch import Tensor
 
 from nanoserve.cuda.activation_triton import silu_and_mul_triton
-from nanoserve.layers import FusedMoE, select_experts
+from nanoserve.layers import FusedMoE
 
 
 def moe_config(tokens: int, num_experts: int) -> dict[str, int]:
@@ -145,7 +145,7 @@ def invoke_fused_moe_kernel(a: Tensor, b: Tensor, b_scale: Optional[Tensor], c: 
 def fused_moe_triton(op: FusedMoE, local_of: Tensor, hidden: Tensor, router_logits: Tensor) -> Tensor:
     """FusedMoE.forward: hidden [tokens, H], router_logits [tokens, E] -> [tokens, H]. local_of:
     expert_map(op), built once at bind."""
-    topk_weights, topk_ids = select_experts(router_logits, op.top_k, op.renormalize)
+    topk_weights, topk_ids = op.route(router_logits)
     tokens, top_k = topk_ids.shape
     config = moe_config(tokens, op.num_experts)
     aligned = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], local_of)
