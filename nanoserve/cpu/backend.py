@@ -32,7 +32,7 @@ from nanoserve.cpu.graphs import CpuGraph
 from nanoserve.cpu.host_memory import keep_freed_memory, new_kv_cache
 from nanoserve.cpu.ops import CpuAttentionMetadata, attention, rms_norm, rope_store_kv, silu_and_mul
 from nanoserve.graph_capture import GraphWrapper
-from nanoserve.layers import Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul
+from nanoserve.layers import Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul, model_dtype
 
 
 def model_step(model, build_metadata, input_ids, positions, kv_caches, attn_metadata):
@@ -48,7 +48,7 @@ def bind(model, config: Config) -> Optional[Backend]:
         return None
     keep_freed_memory()
     capturable = (config.tensor_parallel_size == 1
-                  and model.model.embed_tokens.weight.dtype in (torch.float32, torch.bfloat16))
+                  and model_dtype(model) in (torch.float32, torch.bfloat16))
     sizes = config.cudagraph_capture_sizes if capturable else []
     gemms, gemm_paths = choose_cpu_gemms(model, config)
     for module in model.modules():
