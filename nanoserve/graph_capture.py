@@ -34,7 +34,10 @@ attention, need torch.compile to split the model at attention: not built here):
   - tensor parallel > 1: eager (the backends capture nothing): each layer's all-reduce is a
     collective that every rank would have to replay in lockstep (vLLM captures its own
     all-reduce, on registered buffers); not built;
-  - `enforce_eager`: nothing is captured.
+  - `enforce_eager`: nothing is captured;
+  - a model with an op whose form reads values on the host: nothing is captured (`eager_reason`:
+    FusedMoE's torch reference groups tokens by expert with nonzero, which a CUDA graph cannot
+    record and cpu/graphs.py refuses; a backend's own form of it, one opaque call, lifts this).
 
     pytest -q tests/test_cuda_graphs.py tests/test_cpu_graphs.py
 """
@@ -42,9 +45,20 @@ attention, need torch.compile to split the model at attention: not built here):
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch import Tensor
+
+from nanoserve.layers import FusedMoE
+
+
+def eager_reason(model) -> Optional[str]:
+    """Why no decode step of `model`, as its ops are bound now, can be captured; None if it can."""
+    if any(isinstance(m, FusedMoE) and m.impl == m.forward_native for m in model.modules()):
+        return ("FusedMoE runs its torch reference, which groups tokens by expert on the host "
+                "(nonzero): every step runs eagerly")
+    return None
 
 
 class GraphWrapper:

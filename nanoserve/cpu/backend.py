@@ -9,7 +9,8 @@ What `bind` does, in order:
   2. every Linear gets the product path timed fastest here on its shape (gemm.py), and gives up
      its unpacked weight to it;
   3. RMSNorm, SiluAndMul, RopeStoreKV and Attention get their C forms (ops.py);
-  4. at one rank, in float32 or bf16 (the dtypes of the C forms) and unless enforce_eager, the
+  4. at one rank, in float32 or bf16 (the dtypes of the C forms), unless enforce_eager and unless
+     an op's form cannot be captured (a FusedMoE on its torch reference: capture_sizes), the
      forward is wrapped for capture (graph_capture.py with graphs.py's CpuGraph): the runner
      captures a decode step per size once its KV cache exists, and those steps replay.
 
@@ -21,6 +22,7 @@ NANOSERVE_CPU_KERNEL=0 skips the backend altogether (backends.py): the torch ref
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
 
 import torch
@@ -31,7 +33,7 @@ from nanoserve.cpu.gemm import choose_cpu_gemms
 from nanoserve.cpu.graphs import CpuGraph
 from nanoserve.cpu.host_memory import keep_freed_memory, new_kv_cache
 from nanoserve.cpu.ops import CpuAttentionMetadata, attention, rms_norm, rope_store_kv, silu_and_mul
-from nanoserve.graph_capture import GraphWrapper
+from nanoserve.graph_capture import GraphWrapper, eager_reason
 from nanoserve.layers import Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul, model_dtype
 
 
@@ -41,15 +43,24 @@ def model_step(model, build_metadata, input_ids, positions, kv_caches, attn_meta
     return model(input_ids, positions, kv_caches, build_metadata(attn_metadata))
 
 
+def capture_sizes(model, config: Config) -> list[int]:
+    """The decode batch sizes to capture once the ops are bound: config's at one rank, in float32 or
+    bf16 (the C forms' dtypes); none where an op's form cannot be captured (eager_reason: a
+    FusedMoE, until it has a C form), said in one log line."""
+    if config.tensor_parallel_size > 1 or model_dtype(model) not in (torch.float32, torch.bfloat16):
+        return []
+    why = eager_reason(model)
+    if why and config.cudagraph_capture_sizes:
+        logging.getLogger("nanoserve").warning(f"cpu backend: no decode step is captured: {why}")
+    return [] if why else config.cudagraph_capture_sizes
+
+
 def bind(model, config: Config) -> Optional[Backend]:
     """Give `model`'s ops their CPU forms (the module docstring); None without the C kernels
     (kernels.load() has warned), and the model keeps its torch reference."""
     if cpu_kernels.load() is None:
         return None
     keep_freed_memory()
-    capturable = (config.tensor_parallel_size == 1
-                  and model_dtype(model) in (torch.float32, torch.bfloat16))
-    sizes = config.cudagraph_capture_sizes if capturable else []
     gemms, gemm_paths = choose_cpu_gemms(model, config)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -62,6 +73,7 @@ def bind(model, config: Config) -> Optional[Backend]:
             module.impl = functools.partial(rope_store_kv, module)
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
+    sizes = capture_sizes(model, config)
     # A request verifying k drafts is k + 1 decodes (vLLM's reorder_batch_threshold): cpu/ops.py
     spec = config.speculative_config
     build_metadata = functools.partial(CpuAttentionMetadata.of, max_decode_query_len=1 + (

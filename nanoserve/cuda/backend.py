@@ -12,6 +12,7 @@ graph_capture.py).
 from __future__ import annotations
 
 import functools
+import logging
 from types import SimpleNamespace
 
 import torch
@@ -25,7 +26,7 @@ from nanoserve.cuda.graphs import CUDAGraph
 from nanoserve.cuda.norm_rope_triton import rms_norm_triton, rope_store_kv_triton
 from nanoserve.cuda.paged_attention_triton import paged_attention_triton
 from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
-from nanoserve.graph_capture import GraphWrapper
+from nanoserve.graph_capture import GraphWrapper, eager_reason
 from nanoserve.layers import (Attention, Backend, Linear, RMSNorm, RopeStoreKV, SiluAndMul,
                               gemm_label, model_dtype)
 
@@ -55,8 +56,8 @@ def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
     (compile_kernels, compile_row_ops), so that no step of serving stalls on a compile nor a graph
     capture meets one; fp8 Linears on torch._scaled_mm where the GPU multiplies fp8
     (quantized.py); the forward wrapped for CUDA graphs of decode steps (graphs.py), which the
-    runner captures once its KV cache exists: at one rank only (graph_capture.py: why not under
-    tensor parallel)."""
+    runner captures once its KV cache exists: at one rank only, and only where every op's form
+    can be captured (graph_capture.py: why not under tensor parallel, nor with eager_reason)."""
     device, dtype = next(model.parameters()).device, model_dtype(model)
     capability = torch.cuda.get_device_capability(device)
     for module in model.modules():
@@ -75,7 +76,10 @@ def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
     attn = next(m for m in model.modules() if isinstance(m, Attention))   # this rank's sizes
     compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_size, config.block_size, dtype, device)
     compile_row_ops(model, attn, config.block_size, device)
-    sizes = config.cudagraph_capture_sizes if config.tensor_parallel_size == 1 else []
+    why = eager_reason(model)
+    if why and config.cudagraph_capture_sizes:
+        logging.getLogger("nanoserve").warning(f"cuda backend: no decode step is captured: {why}")
+    sizes = config.cudagraph_capture_sizes if config.tensor_parallel_size == 1 and not why else []
     if not sizes:
         return Backend("cuda", model, gemm_paths=gemm_paths)
     graphs = GraphWrapper(model, sizes, CUDAGraph)

@@ -20,12 +20,15 @@ from nanoserve.distributed import TensorParallel
 from nanoserve.models.geometry import (get_head_size, get_num_attention_heads, get_num_kv_heads,
                                        get_num_layers, get_total_num_kv_heads)
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.mixture_of_experts import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # also SmolLM, which ships the Llama architecture
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
@@ -51,6 +54,7 @@ def verify_with_parallel_config(hf_config, tensor_parallel_size: int,
         get_model_class(hf_config)(hf_config, TensorParallel(0, tensor_parallel_size, enable_expert_parallel))
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_head_size", "get_model_class",
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+           "get_head_size", "get_model_class",
            "get_num_attention_heads", "get_num_kv_heads", "get_num_layers",
            "get_total_num_kv_heads", "verify_with_parallel_config"]
