@@ -60,6 +60,10 @@ class Config:
                                 "llama.cpp's Q8_0 does (vLLM keeps it in --dtype: the default).")
     tensor_parallel_size: int = _f(1, "Split the model over this many worker processes "
                                    "(torch.distributed: NCCL, one GPU each; gloo on CPU).")
+    enable_expert_parallel: bool = _f(False, "A mixture-of-experts model's experts shared out "
+                                      "whole among the tensor-parallel ranks (each holds "
+                                      "num_experts / tensor_parallel_size of them) instead of "
+                                      "each expert sliced across all of them.")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
                                       "Default and cap: the model's max_position_embeddings.")
     # -- KV cache ------------------------------------------------------------
@@ -143,6 +147,10 @@ class Config:
                 raise ValueError(f"{name} must be > 0 (got {value})")
         _positive_int(self, "tensor_parallel_size")
         _check_data_parallel(self)
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            raise ValueError("enable_expert_parallel with data_parallel_size > 1 (experts shared "
+                             "across data-parallel ranks) is not supported yet: use "
+                             "tensor_parallel_size for expert parallel")
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)

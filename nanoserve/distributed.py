@@ -1,11 +1,14 @@
 """distributed.py: what one tensor-parallel rank knows of its group, and the collectives it calls.
 
 With `tensor_parallel_size` N, N worker processes each hold 1/N of every large weight
-(models/llama.py `shard_for_tp`) and run the same step on it. Three collectives put the
-pieces back together, all over torch.distributed (gloo on CPU, NCCL on CUDA):
+(models/llama.py `shard_for_tp`; a mixture of experts' experts: a slice of each, or with
+`enable_expert_parallel` 1/N of them whole, models/mixture_of_experts.py) and run the same step
+on it. Three collectives put the pieces back together, all over torch.distributed (gloo on CPU,
+NCCL on CUDA):
 
-    all_reduce      after each row-parallel product (o_proj, down_proj) and the vocab-parallel
-                    embedding: every rank computed a partial sum of the same [tokens, hidden]
+    all_reduce      after each row-parallel product (o_proj, down_proj, the experts' w2) and the
+                    vocab-parallel embedding: every rank computed a partial sum of the same
+                    [tokens, hidden]
     gather_logits   the LM head: rank r computed logits for its vocab slice; rank 0 stitches
                     [n, vocab] together to sample, the other ranks get None
     min_int         the KV pool: each rank sizes its own, all use the smallest
@@ -33,6 +36,9 @@ from torch import Tensor
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    # vLLM's enable_expert_parallel: a mixture of experts' experts are shared out whole among the
+    # ranks (each holds num_experts / size of them), not each sliced across all of them.
+    enable_expert_parallel: bool = False
 
     def shard(self, n: int) -> tuple[int, int]:
         """[start, end) of rank's share of n rows split `size` ways (the last may be short)."""

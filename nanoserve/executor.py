@@ -48,7 +48,7 @@ from typing import Optional
 
 from nanoserve.config import Config
 from nanoserve.errors import WorkerError
-from nanoserve.models.llama import shard_for_tp
+from nanoserve.models import verify_with_parallel_config
 from nanoserve.model_loader import resolve_model_path
 from nanoserve.model_runner import ModelRunner
 from nanoserve.request import SchedulerOutput
@@ -78,8 +78,8 @@ class MultiprocExecutor:
     def __init__(self, config: Config):
         from transformers import AutoConfig
         # A size the model cannot be split into is a ValueError here, not N worker tracebacks.
-        shard_for_tp(AutoConfig.from_pretrained(resolve_model_path(config.model)),
-                     config.tensor_parallel_size)
+        verify_with_parallel_config(AutoConfig.from_pretrained(resolve_model_path(config.model)),
+                                    config.tensor_parallel_size, config.enable_expert_parallel)
         ctx = multiprocessing.get_context("spawn")   # no forked copies of threads or CUDA state
         # The rendezvous: a FileStore that only this user can reach (mkdtemp: mode 0700).
         self.rendezvous_dir = tempfile.mkdtemp(prefix="nanoserve-tp-")

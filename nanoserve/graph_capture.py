@@ -34,7 +34,11 @@ attention, need torch.compile to split the model at attention: not built here):
   - tensor parallel > 1: eager (the backends capture nothing): each layer's all-reduce is a
     collective that every rank would have to replay in lockstep (vLLM captures its own
     all-reduce, on registered buffers); not built;
-  - `enforce_eager`: nothing is captured.
+  - `enforce_eager`: nothing is captured;
+  - mixtures of experts: replay. Which expert a token goes to is data, but each backend's form of
+    FusedMoE keeps it inside: one opaque call in a CPU record (cpu/graphs.py), sync-free ops of
+    fixed shapes on a GPU (cuda/fused_moe_triton.py). Only the torch reference groups tokens on
+    the host (nonzero), and the torch backend captures nothing.
 
     pytest -q tests/test_cuda_graphs.py tests/test_cpu_graphs.py
 """

@@ -131,11 +131,13 @@ class RopeStoreKV(CustomOp):
 
 
 class Attention(CustomOp):
-    """Causal attention of this step's queries [tokens, heads, head_dim] over the paged cache
-    (their own K/V already stored by RopeStoreKV) -> the same shape."""
+    """Causal attention of this step's queries [tokens, num_heads, head_size] over the paged cache
+    of num_kv_heads heads (their own K/V already stored by RopeStoreKV) -> the same shape. The
+    sizes are this rank's (vLLM's Attention): a backend reads them to compile its kernels."""
 
-    def __init__(self, scale: float):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
         super().__init__()
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale = scale
 
     def forward_native(self, q: Tensor, kv_cache: tuple[Tensor, Tensor],
@@ -250,6 +252,12 @@ class Backend:
     gemm_paths: dict[str, str] = field(default_factory=dict)
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
     capture: Callable[..., None] = lambda inputs, kv_caches: None
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype `model` computes in, whatever its (maybe quantized) weights hold: its embedding's,
+    found by type, as a backend finds every op (never through a family's attribute names)."""
+    return next(m.weight.dtype for m in model.modules() if isinstance(m, nn.Embedding))
 
 
 def gemm_label(linear: Linear, dtype: torch.dtype) -> str:

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from nanoserve.config import DEFAULT_MODEL
-from nanoserve.models.llama import head_dim_of, num_kv_heads_of
+from nanoserve.models import get_head_size, get_num_kv_heads, get_num_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_GB = 1.0     # the CPU default: room for ~45k tokens of nanoserve-tiny, fits a laptop
@@ -140,15 +140,19 @@ def resolve_dtype(dtype: str, device: torch.device, hf_config) -> torch.dtype:
     return torch.float16 if checkpoint == torch.float16 else half
 
 
-def kv_cache_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    return (2 * hf_config.num_hidden_layers * num_kv_heads_of(hf_config) * head_dim_of(hf_config)
-            * dtype.itemsize)
+def kv_cache_bytes_per_token(hf_config, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element, on one of
+    `tensor_parallel_size` ranks (its KV heads: geometry.py)."""
+    return (2 * get_num_layers(hf_config) * get_num_kv_heads(hf_config, tensor_parallel_size)
+            * get_head_size(hf_config) * dtype.itemsize)
 
 
-def num_blocks_for_memory(memory_bytes: float, hf_config, dtype: torch.dtype, block_size: int) -> int:
-    """How many KV blocks fit in `memory_bytes`: the engine and `nanoserve memory` both use it."""
-    return int(memory_bytes // (kv_cache_bytes_per_token(hf_config, dtype) * block_size))
+def num_blocks_for_memory(memory_bytes: float, hf_config, dtype: torch.dtype, block_size: int,
+                          tensor_parallel_size: int = 1) -> int:
+    """How many KV blocks fit in `memory_bytes` of one rank: the engine and `nanoserve memory`
+    both use it."""
+    return int(memory_bytes // (kv_cache_bytes_per_token(hf_config, dtype, tensor_parallel_size)
+                                * block_size))
 
 
 def kv_cache_memory_budget(total_bytes: float, gpu_memory_utilization: float,
@@ -177,20 +181,23 @@ def max_useful_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int)
 
 
 def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tokens: int,
-                              max_num_seqs: int, block_size: int) -> int:
-    """What `ModelRunner._profile_free_cuda_memory` would measure, estimated where no GPU can run
-    the profile (`nanoserve memory`). Its forward of n = max_num_batched_tokens tokens holds, at
-    its peak, the sum of:
+                              max_num_seqs: int, block_size: int, tensor_parallel_size: int = 1) -> int:
+    """What `ModelRunner._profile_free_cuda_memory` would measure on one of
+    `tensor_parallel_size` ranks, estimated where no GPU can run the profile (`nanoserve memory`).
+    Its forward of n = max_num_batched_tokens tokens holds, at its peak, the sum of:
       - its own KV cache for n tokens (block-rounded);
       - the widest point of one layer, the MLP: the residual and its normed copy [n, hidden],
-        gate_up [n, 2 x intermediate], silu(gate) and the product [n, intermediate] each;
-      - the logits of max_num_seqs rows, in the model dtype and again in float32.
+        gate_up [n, 2 x intermediate], silu(gate) and the product [n, intermediate] each (the
+        rank's share of intermediate_size; a mixture of experts' block is no wider, as its torch
+        reference runs one expert's rows at a time);
+      - the logits of max_num_seqs rows (the rank's share of the vocabulary), in the model dtype
+        and again in float32.
     The last two never coincide, so the sum errs on the safe (high) side. Attention adds only
     its [n, q_size] output: the paged kernels never build an n x n score matrix."""
-    n, item = max_num_batched_tokens, dtype.itemsize
-    profile_kv = -(-n // block_size) * block_size * kv_cache_bytes_per_token(hf_config, dtype)
-    mlp = n * (2 * hf_config.hidden_size + 4 * hf_config.intermediate_size) * item
-    logits = min(n, max_num_seqs) * hf_config.vocab_size * (item + 4)
+    n, item, tp = max_num_batched_tokens, dtype.itemsize, tensor_parallel_size
+    profile_kv = -(-n // block_size) * block_size * kv_cache_bytes_per_token(hf_config, dtype, tp)
+    mlp = n * (2 * hf_config.hidden_size + 4 * (hf_config.intermediate_size // tp)) * item
+    logits = min(n, max_num_seqs) * -(-hf_config.vocab_size // tp) * (item + 4)
     return profile_kv + mlp + logits
 
 

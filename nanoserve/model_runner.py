@@ -34,6 +34,7 @@ Lesson: lessons/06-length-and-memory.md
 
 from __future__ import annotations
 
+import functools
 import time
 from types import SimpleNamespace
 from typing import Optional
@@ -47,8 +48,7 @@ from nanoserve.model_loader import (CPU_KV_CACHE_GB, DeviceMemory, device_memory
                                     iterate_weights, kv_cache_memory_budget, max_len_of,
                                     max_useful_kv_blocks, num_blocks_for_memory, resolve_device,
                                     resolve_dtype, resolve_model_path)
-from nanoserve.models import get_model_class
-from nanoserve.models.llama import head_dim_of, num_kv_heads_of
+from nanoserve.models import get_head_size, get_model_class, get_num_kv_heads, get_num_layers
 from nanoserve.quantization import check_quantization, log_widening
 from nanoserve.request import SchedulerOutput
 from nanoserve.sampler import Sampler, SamplingMetadata
@@ -134,19 +134,20 @@ class ModelRunner:
 
     def _num_kv_blocks(self, config: Config) -> int:
         """The pool, per rank: each rank's memory holds its own KV heads (`nanoserve memory
-        --tensor-parallel-size` sizes with the same shard), and all ranks use the smallest. A
+        --tensor-parallel-size` sizes with the same figures), and all ranks use the smallest. A
         pool sized from GPU memory is capped at what can ever be used (max_useful_kv_blocks)."""
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        shard, memory = self.model.shard_config, device_memory(self.device)
+        memory = device_memory(self.device)
+        fit = functools.partial(num_blocks_for_memory, hf_config=self.hf_config, dtype=self.dtype,
+                                block_size=config.block_size, tensor_parallel_size=self.tp.size)
         if config.kv_cache_memory_gb is not None or memory is None:
-            gb = config.kv_cache_memory_gb or CPU_KV_CACHE_GB
-            blocks = num_blocks_for_memory(gb * 2**30, shard, self.dtype, config.block_size)
+            blocks = fit((config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30)
         else:
             # (A max_model_len past the model's positions: Config.resolve refuses it just after.)
             max_len = min(config.max_model_len or max_len_of(self.model), max_len_of(self.model))
             budget = self._profile_free_cuda_memory(config, memory, max_len)
-            blocks = min(num_blocks_for_memory(budget, shard, self.dtype, config.block_size),
+            blocks = min(fit(budget),
                          max_useful_kv_blocks(config.max_num_seqs, max_len, config.block_size))
         return self.tp.min_int(blocks, self.device) if self.tp.size > 1 else blocks
 
@@ -187,11 +188,11 @@ class ModelRunner:
         return usable
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.model.shard_config
-        shape = (num_blocks, self.block_size, num_kv_heads_of(cfg), head_dim_of(cfg))
+        cfg = self.hf_config     # this rank's KV heads (geometry.py)
+        shape = (num_blocks, self.block_size, get_num_kv_heads(cfg, self.tp.size), get_head_size(cfg))
         new = self.backend.new_kv_cache
         return [(new(shape, self.dtype, self.device), new(shape, self.dtype, self.device))
-                for _ in range(cfg.num_hidden_layers)]
+                for _ in range(get_num_layers(cfg))]
 
     # -- one step --------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput):

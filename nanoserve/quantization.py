@@ -98,7 +98,9 @@ def _log_once(line: str) -> None:
 def quantized_weight_bytes(model, dtype: torch.dtype) -> int:
     """The bytes the weights of `model` (built with its quantization, e.g. on the "meta" device)
     take once loaded in `dtype`: quantized weights at 1 byte each plus their float32 scales,
-    every other parameter in `dtype`. `nanoserve memory` sizes with it."""
+    every other parameter in `dtype`. `nanoserve memory` sizes with it. A quantized weight `w`
+    keeps its scales beside it in the buffer `w_scale` (Linear's weight_scale, FusedMoE's
+    w13_weight_scale and w2_weight_scale)."""
     quantized = (torch.int8, getattr(torch, "float8_e4m3fn", torch.int8))
     total = sum(p.numel() * (1 if p.dtype in quantized else dtype.itemsize) for p in model.parameters())
-    return total + sum(m.weight_scale.numel() * 4 for m in model.modules() if hasattr(m, "weight_scale"))
+    return total + sum(b.numel() * 4 for name, b in model.named_buffers() if name.endswith("weight_scale"))

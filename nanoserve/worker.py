@@ -57,7 +57,8 @@ class Worker:
         size = config.tensor_parallel_size
         device = init_tensor_parallel(rank, size, init_method, resolve_device(config.device),
                                       len(config.data_parallel_ranks_here))
-        self.runner = ModelRunner(config, TensorParallel(rank, size), device)
+        tp = TensorParallel(rank, size, config.enable_expert_parallel)
+        self.runner = ModelRunner(config, tp, device)
 
 
 def _exit_with_parent() -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from nanoserve.tools import bench
-from nanoserve.models.llama import head_dim_of
+from nanoserve.models import get_head_size
 
 
 def read_bandwidth(gib: float = 1.0) -> float:
@@ -76,7 +76,7 @@ def lower_bound(steps, hf_config, dtype: torch.dtype, peak: float, bandwidth: fl
     """Seconds per part (see the module docstring), summed over the steps."""
     c, size = hf_config, dtype.itemsize
     h, layers, heads, kv_heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
-    head_dim, weights = head_dim_of(c), layers * bench.layer_weights(c)
+    head_dim, weights = get_head_size(c), layers * bench.layer_weights(c)
     parts = dict.fromkeys(("linears", "LM head", "attention"), 0.0)
     for step in steps:
         tokens = sum(n for n, _, _ in step)

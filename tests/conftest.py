@@ -24,14 +24,17 @@ def make_tokenizer(vocab_size: int):
 
 
 def build_checkpoint(path, arch: str = "llama", tie: bool = False, **overrides):
-    """Save a random model of the given family (scaled LM head: no near-tied logits) and a
-    tokenizer to `path`; returns the HF model for use as the oracle."""
+    """Save a random model of the given family (scaled LM head: no near-tied logits; a mixture of
+    experts' router and experts scaled too) and a tokenizer to `path`; returns the HF model for
+    use as the oracle."""
     import transformers as tf
     cfg_cls, model_cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
     }[arch]
     config = cfg_cls(**{**TINY, **overrides}, tie_word_embeddings=tie, eos_token_id=0,
                      bos_token_id=None, pad_token_id=None)
@@ -39,6 +42,12 @@ def build_checkpoint(path, arch: str = "llama", tie: bool = False, **overrides):
     model = model_cls(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)    # spread the logits: greedy must not hinge on 1e-5 gaps
+        for name, p in model.named_parameters():
+            # HF's init (std 0.02) leaves the experts' output tiny beside the residual and the
+            # router's logits near-uniform: scaled, the experts decide the logits and the router
+            # spreads tokens over them clearly.
+            if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+                p.mul_(10.0)
     model.save_pretrained(path)
     make_tokenizer(config.vocab_size).save_pretrained(path)
     model.generation_config.eos_token_id = None   # the oracle never stops early

@@ -63,9 +63,18 @@ CORE_CAPABILITY_BUDGETS = {
     # WAITING_FOR_FSM (~190); per-request failure isolation in the sampler, runner and engine core
     # (~100); the TP step watchdog, the loopback rendezvous, serve exiting on engine death (~85).
     "network_safety": 900,
-    # issue 53: mixtures of experts: layers.py's FusedMoE op and its router (select_experts) with
-    # the torch reference (~65), the trace's expert_load event and its reading (~15).
-    "mixture_of_experts": 80,
+    # issue 53: mixture of experts: FusedMoE and select_experts, the op and its router with their
+    # torch reference, FusedMoE.route with vLLM's custom_routing_function hook (layers.py, ~75);
+    # models/mixture_of_experts.py, Qwen3-MoE and Mixtral on llama.py's layers, the hub's
+    # per-expert checkpoint layout, experts sliced under TP or shared out whole under expert
+    # parallel (~145); the model-geometry seam the engine now reads every family through, so that
+    # a new family is a module and a registry line: models/geometry.py (~45),
+    # verify_with_parallel_config and the registry's lines (~25), Attention's sizes and
+    # model_dtype for binding by type (~10), the per-rank sizing (~10); enable_expert_parallel in
+    # Config, TensorParallel and the worker (~15); llama.py's make_mlp and the loader's
+    # never-read targets and scales beside any quantized weight (~5); the trace's expert_load
+    # event, its reading and expert_load.py, the router logits kept for it (~75).
+    "mixture_of_experts": 405,
 }
 CORE_BUDGET = 5000 + sum(CORE_CAPABILITY_BUDGETS.values())
 # ~1,730 lines of C, ~1,050 of Python (the ops, products, then a fused step); + 250 for issue 40's int8

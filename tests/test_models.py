@@ -22,7 +22,8 @@ from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
 from nanoserve.layers import Attention, Linear, RMSNorm
 from nanoserve.models import LlamaForCausalLM, get_model_class
-from nanoserve.models.llama import head_dim_of, rope_parameters
+from nanoserve.models import get_head_size
+from nanoserve.models.llama import rope_parameters
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -66,7 +67,7 @@ class PagedRunner:
 
     def __init__(self, model, cfg, num_blocks=48, block_size=4, backend=None):
         self.model, self.block_size, self.backend = model, block_size, backend
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim_of(cfg))
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, get_head_size(cfg))
         self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_hidden_layers)]
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1)).tolist()
         self.block_tables: dict[str, list[int]] = {}

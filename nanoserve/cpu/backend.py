@@ -34,7 +34,8 @@ from nanoserve.cpu.host_memory import keep_freed_memory, new_kv_cache
 from nanoserve.cpu.moe import CpuFusedMoE
 from nanoserve.cpu.ops import CpuAttentionMetadata, attention, rms_norm, rope_store_kv, silu_and_mul
 from nanoserve.graph_capture import GraphWrapper
-from nanoserve.layers import Attention, Backend, FusedMoE, Linear, RMSNorm, RopeStoreKV, SiluAndMul
+from nanoserve.layers import (Attention, Backend, FusedMoE, Linear, RMSNorm, RopeStoreKV, SiluAndMul,
+                              model_dtype)
 
 
 def model_step(model, build_metadata, input_ids, positions, kv_caches, attn_metadata):
@@ -49,9 +50,6 @@ def bind(model, config: Config) -> Optional[Backend]:
     if cpu_kernels.load() is None:
         return None
     keep_freed_memory()
-    dtype = model.model.embed_tokens.weight.dtype    # the activations'
-    capturable = config.tensor_parallel_size == 1 and dtype in (torch.float32, torch.bfloat16)
-    sizes = config.cudagraph_capture_sizes if capturable else []
     gemms, gemm_paths = choose_cpu_gemms(model, config)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -65,7 +63,10 @@ def bind(model, config: Config) -> Optional[Backend]:
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
         elif isinstance(module, FusedMoE):
-            module.impl = CpuFusedMoE(module, dtype, config, gemm_paths).forward
+            module.impl = CpuFusedMoE(module, model_dtype(model), config, gemm_paths).forward
+    capturable = (config.tensor_parallel_size == 1
+                  and model_dtype(model) in (torch.float32, torch.bfloat16))
+    sizes = config.cudagraph_capture_sizes if capturable else []
     # A request verifying k drafts is k + 1 decodes (vLLM's reorder_batch_threshold): cpu/ops.py
     spec = config.speculative_config
     build_metadata = functools.partial(CpuAttentionMetadata.of, max_decode_query_len=1 + (

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from nanoserve.config import Config
 from nanoserve.cpu import kernels as cpu_kernels
-from nanoserve.layers import Linear, gemm_label
+from nanoserve.layers import Linear, gemm_label, model_dtype
 from nanoserve.quantization import dequantize, quantize
 
 
@@ -313,7 +313,7 @@ def choose_cpu_gemms(model, config: Config) -> tuple[dict, dict[str, str]]:
     by `config.cpu_gemm` skips the timing (torch's where it cannot run here). Returns
     ({Linear: Gemm}, {'in x out dtype': path}) (bench's)."""
     gemms, labels = {}, {}
-    dtype = model.model.embed_tokens.weight.dtype    # the activations'
+    dtype = model_dtype(model)    # the activations'
     for layer in model.modules():
         if not isinstance(layer, Linear):
             continue

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.config import Config
 from nanoserve.cuda.activation_triton import per_token_quant_fp8_triton, silu_and_mul_triton
 from nanoserve.cuda.decode_attention_triton import split_kv_decode_attention, uses_split_kv
@@ -28,7 +29,7 @@ from nanoserve.cuda.paged_attention_triton import paged_attention_triton
 from nanoserve.cuda.quantized import scaled_mm_linear, uses_scaled_mm
 from nanoserve.graph_capture import GraphWrapper
 from nanoserve.layers import (Attention, Backend, FusedMoE, Linear, RMSNorm, RopeStoreKV,
-                              SiluAndMul, gemm_label)
+                              SiluAndMul, gemm_label, model_dtype)
 
 
 def rms_norm(op: RMSNorm, x: Tensor, residual: Tensor | None = None):
@@ -52,13 +53,13 @@ def attention(op: Attention, q: Tensor, kv_cache, attn_metadata) -> Tensor:
 
 
 def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
-    """The Triton forms for `model`'s ops, every kernel variant compiled now (compile_kernels,
-    compile_row_ops), so that no step of serving stalls on a compile nor a graph capture meets
-    one; fp8 Linears on torch._scaled_mm where the GPU multiplies fp8 (quantized.py); the forward
-    wrapped for CUDA graphs of decode steps (graphs.py), which the runner captures once its KV
-    cache exists: at one rank only (graph_capture.py: why not under tensor parallel)."""
-    capability = torch.cuda.get_device_capability(model.model.embed_tokens.weight.device)
-    dtype = model.model.embed_tokens.weight.dtype
+    """The Triton forms for `model`'s ops, found by type, every kernel variant compiled now
+    (compile_kernels, compile_row_ops), so that no step of serving stalls on a compile nor a graph
+    capture meets one; fp8 Linears on torch._scaled_mm where the GPU multiplies fp8
+    (quantized.py); the forward wrapped for CUDA graphs of decode steps (graphs.py), which the
+    runner captures once its KV cache exists, at one rank only (graph_capture.py says why)."""
+    device, dtype = next(model.parameters()).device, model_dtype(model)
+    capability = torch.cuda.get_device_capability(device)
     for module in model.modules():
         if isinstance(module, Linear) and uses_scaled_mm(module, capability, dtype):
             module.impl = functools.partial(scaled_mm_linear, module,
@@ -74,10 +75,9 @@ def bind(model, config: Config, gemm_paths: dict[str, str]) -> Backend:
             module.impl = functools.partial(attention, module)
         elif isinstance(module, FusedMoE):
             module.impl = functools.partial(fused_moe_triton, module, expert_map(module))
-    attn = model.model.layers[0].self_attn
-    compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_dim, config.block_size, dtype,
-                    model.model.embed_tokens.weight.device)
-    compile_row_ops(model)
+    attn = next(m for m in model.modules() if isinstance(m, Attention))   # this rank's sizes
+    compile_kernels(attn.num_heads, attn.num_kv_heads, attn.head_size, config.block_size, dtype, device)
+    compile_row_ops(model, attn, config.block_size, device)
     sizes = config.cudagraph_capture_sizes if config.tensor_parallel_size == 1 else []
     if not sizes:
         return Backend("cuda", model, gemm_paths=gemm_paths)
@@ -118,29 +118,26 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
                 split_kv_decode_attention(query[:1], k_cache, v_cache, step, head_dim**-0.5)
 
 
-def compile_row_ops(model) -> None:
-    """Each row kernel bound to `model` once, on two zero rows of its shapes (the norms' residual
-    add or not, Qwen3's per-head norms on views of the qkv rows, each fp8 product's width): one
-    variant each, since none of their integer arguments changes between steps. Each FusedMoE
-    shape at 1 token and at one more than its experts: both of moe_config's tiles."""
-    layer = model.model.layers[0]
-    device, dtype = layer.input_layernorm.weight.device, model.model.embed_tokens.weight.dtype
-    zeros = functools.partial(torch.zeros, dtype=dtype, device=device)
-    hidden = zeros(2, layer.input_layernorm.weight.shape[0])
-    layer.input_layernorm.impl(hidden)
-    layer.input_layernorm.impl(hidden, hidden.clone())
-    if hasattr(layer.mlp, "gate_up_proj"):   # a dense MLP (a MoE block's silu·mul: its FusedMoE's)
-        layer.mlp.act_fn.impl(zeros(2, layer.mlp.gate_up_proj.out_features))
+@torch.inference_mode()
+def compile_row_ops(model, attn: Attention, block_size: int, device: torch.device) -> None:
+    """Each row kernel bound to `model` compiled once, on its own shapes: a prefill of two tokens
+    through the model itself (vLLM's dummy run), on a KV cache of two blocks a layer (`attn`: a
+    layer's Attention, for this rank's sizes). Every row op runs as serving runs it, whatever the
+    family: the norms with their residual add and without, Qwen3's per-head norms on views of the
+    qkv rows, silu·mul, each fp8 product's activations; and none of their integer arguments
+    changes between steps, so one variant each is all serving meets."""
+    dtype = model_dtype(model)
+    shape = (2, block_size, attn.num_kv_heads, attn.head_size)
+    kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                  torch.zeros(shape, dtype=dtype, device=device))
+                 for _ in range(sum(isinstance(m, Attention) for m in model.modules()))]
+    ints = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    step = AttentionMetadata(slot_mapping=torch.arange(2, device=device), block_tables=ints([[0, 1]]),
+                             seq_lens=ints([2]), query_start_loc=ints([0, 2]), max_query_len=2)
+    model(torch.zeros(2, dtype=torch.long, device=device), torch.arange(2, device=device), kv_caches, step)
     moes = {(m.num_experts, m.top_k, m.quantization, m.w13_weight.shape): m
             for m in model.modules() if isinstance(m, FusedMoE)}
     for moe in moes.values():
-        for rows in (1, moe.num_experts + 1):
-            moe.impl(zeros(rows, moe.w13_weight.shape[2]), zeros(rows, moe.num_experts))
-    attn = layer.self_attn
-    if attn.qk_norm:
-        qkv = zeros(2, attn.num_heads + 2 * attn.num_kv_heads, attn.head_dim)
-        attn.q_norm.impl(qkv[:, :attn.num_heads])
-        attn.k_norm.impl(qkv[:, attn.num_heads:attn.num_heads + attn.num_kv_heads])
-    for width in {m.in_features for m in model.modules() if isinstance(m, Linear)
-                  and isinstance(m.impl, functools.partial) and m.impl.func is scaled_mm_linear}:
-        per_token_quant_fp8_triton(zeros(2, width))
+        rows = moe.num_experts + 1
+        moe.impl(torch.zeros(rows, moe.w13_weight.shape[2], dtype=dtype, device=device),
+                 torch.zeros(rows, moe.num_experts, dtype=dtype, device=device))

@@ -1,24 +1,34 @@
-"""models: the model registry, keyed by the `architectures` field of a checkpoint's config.json.
+"""models: the model registry, keyed by the `architectures` field of a checkpoint's config.json,
+and what the engine asks of any model: its geometry (geometry.py) and whether it splits over a
+number of ranks (`verify_with_parallel_config`).
 
     >>> from transformers import Qwen2Config
     >>> get_model_class(Qwen2Config(architectures=["Qwen2ForCausalLM"])).__name__
     'LlamaForCausalLM'
 
-Every supported architecture is a Llama variant, so one parametrised class (models/llama.py)
-serves them all; a new family adds a module and a line here.
+The engine imports this package, never a family's module: a new family adds a module and a line
+in MODEL_REGISTRY. Its class is built as `cls(hf_config, tp, quantization, lm_head_quantization)`
+and offers `forward`, `compute_logits`, `load_weights`, `config` and `sliding_window`.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from nanoserve.distributed import TensorParallel
+from nanoserve.models.geometry import (get_head_size, get_num_attention_heads, get_num_kv_heads,
+                                       get_num_layers, get_total_num_kv_heads)
 from nanoserve.models.llama import LlamaForCausalLM
+from nanoserve.models.mixture_of_experts import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,  # also SmolLM, which ships the Llama architecture
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
@@ -34,4 +44,17 @@ def get_model_class(hf_config) -> type[nn.Module]:
     )
 
 
-__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "get_model_class"]
+def verify_with_parallel_config(hf_config, tensor_parallel_size: int,
+                                enable_expert_parallel: bool = False) -> None:
+    """ValueError when `hf_config` cannot be split over `tensor_parallel_size` ranks (heads, MLP
+    or expert sizes: each family checks its own as it builds a rank's modules). Rank 0's modules
+    are built on the "meta" device (shapes, no memory), so the error is raised in the caller's
+    process before any worker starts (vLLM's ModelConfig.verify_with_parallel_config)."""
+    with torch.device("meta"):
+        get_model_class(hf_config)(hf_config, TensorParallel(0, tensor_parallel_size, enable_expert_parallel))
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
+           "get_head_size", "get_model_class",
+           "get_num_attention_heads", "get_num_kv_heads", "get_num_layers",
+           "get_total_num_kv_heads", "verify_with_parallel_config"]

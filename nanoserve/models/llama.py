@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -48,37 +48,29 @@ from torch import Tensor, nn
 from nanoserve.attention_metadata import AttentionMetadata
 from nanoserve.distributed import SINGLE, TensorParallel
 from nanoserve.layers import Attention, Linear, RMSNorm, RopeStoreKV, SiluAndMul
+from nanoserve.models.geometry import (get_head_size, get_num_attention_heads, get_num_kv_heads,
+                                      get_total_num_kv_heads)
 from nanoserve.quantization import quantize
-
-
-def head_dim_of(cfg) -> int:
-    """Each attention head's width. Qwen3 sets head_dim explicitly (and num_heads * head_dim may
-    differ from hidden_size)."""
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def num_kv_heads_of(cfg) -> int:
-    """K/V heads (GQA); a config without num_key_value_heads has one per attention head."""
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 def shard_for_tp(hf_config, tp: int):
     """The config one of `tp` ranks computes with, as vLLM shards a Llama: attention heads, KV
     heads (never below one: with tp > kv_heads each rank keeps a replica), the MLP's
     intermediate size and the vocabulary (rounded up: the last rank's slice is padded) split tp
-    ways. The engine builds each rank's modules from it; `nanoserve memory` sizes with it."""
+    ways. Each rank builds its modules from it; the engine reads the same per-rank figures from
+    geometry.py."""
     if tp == 1:
         return hf_config
     heads = hf_config.num_attention_heads
-    kv_heads = num_kv_heads_of(hf_config)
+    kv_heads = get_total_num_kv_heads(hf_config)
     if heads % tp or (kv_heads % tp and tp % kv_heads) or hf_config.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads ({heads}) "
                          f"and intermediate_size ({hf_config.intermediate_size}), and divide, or "
                          f"be a multiple of, num_key_value_heads ({kv_heads})")
     shard = copy.deepcopy(hf_config)
-    shard.head_dim = head_dim_of(hf_config)  # explicit: hidden_size / heads no longer gives it
-    shard.num_attention_heads = heads // tp
-    shard.num_key_value_heads = max(1, kv_heads // tp)
+    shard.head_dim = get_head_size(hf_config)  # explicit: hidden_size / heads no longer gives it
+    shard.num_attention_heads = get_num_attention_heads(hf_config, tp)
+    shard.num_key_value_heads = get_num_kv_heads(hf_config, tp)
     shard.intermediate_size = hf_config.intermediate_size // tp
     shard.vocab_size = -(-hf_config.vocab_size // tp)
     return shard
@@ -145,8 +137,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.tp = tp
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(cfg)
-        self.head_dim = head_dim_of(cfg)
+        self.num_kv_heads = get_num_kv_heads(cfg)     # cfg: this rank's shard
+        self.head_dim = get_head_size(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Qwen2 always has q/k/v biases and no o_proj bias; its config has no switch for it.
@@ -158,12 +150,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, quantization)
         # Row-parallel: each rank multiplies its heads' columns; rank 0 alone adds the bias.
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias and tp.rank == 0, quantization)
-        self.qk_norm = cfg.model_type == "qwen3"
+        self.qk_norm = cfg.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rope_store_kv = RopeStoreKV()
-        self.attn = Attention(scale=self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, rope, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -196,12 +188,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str] = None):
+    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str], mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, tp, quantization)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp, quantization)
+        self.mlp = mlp      # LlamaMLP, or a mixture of experts' block (mixture_of_experts.py)
 
     def forward(self, rope, hidden: Tensor, residual: Optional[Tensor], kv_cache,
                 attn_metadata: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -218,13 +210,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str] = None):
+    def __init__(self, cfg, tp: TensorParallel, quantization: Optional[str],
+                 make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings,
+        self.rotary_emb = RotaryEmbedding(get_head_size(cfg), cfg.max_position_embeddings,
                                           rope_parameters(cfg))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, quantization)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, quantization, make_mlp(i))
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -241,7 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.tp = hf_config, tp
         self.shard_config = shard = shard_for_tp(hf_config, tp.size)
         self.vocab_range = tp.shard(hf_config.vocab_size)   # this rank's rows of the vocabulary
-        self.model = LlamaModel(shard, tp, quantization)
+        self.model = LlamaModel(shard, tp, quantization, lambda i: self.make_mlp(i, quantization))
         self.lm_head = Linear(hf_config.hidden_size, shard.vocab_size, bias=False,
                               quantization=lm_head_quantization)
         self.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
@@ -253,6 +246,11 @@ class LlamaForCausalLM(nn.Module):
         layer_types = getattr(hf_config, "layer_types", None)
         sliding = layer_types is None or "sliding_attention" in layer_types
         self.sliding_window: int | None = getattr(hf_config, "sliding_window", None) if sliding else None
+
+    def make_mlp(self, layer_index: int, quantization: Optional[str]) -> nn.Module:
+        """Layer `layer_index`'s MLP: SwiGLU in every layer of this family (a mixture-of-experts
+        family gives its sparse layers a router and experts: mixture_of_experts.py)."""
+        return LlamaMLP(self.shard_config, self.tp, quantization)
 
     def forward(
         self,
@@ -291,13 +289,14 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         return self.tp.gather_logits(logits, self.config.vocab_size) if self.tp.size > 1 else logits
 
-    def _checkpoint_targets(self) -> dict[str, tuple[Tensor, slice, tuple, int]]:
+    def _checkpoint_targets(self) -> dict[str, Optional[tuple[Tensor, object, tuple, int]]]:
         """Every HF checkpoint name this model needs -> (our parameter, its rows for that weight,
         the index of this rank's part of the checkpoint tensor, the checkpoint's size along the
         dimension that index cuts). With one rank every part is the whole tensor. With tp ranks:
         column-parallel matrices (q, k, v, gate, up; their biases) and the vocabulary (embedding,
         LM head) give a rank a block of rows; the row-parallel o_proj and down_proj a block of
-        columns; norms are replicated."""
+        columns; norms are replicated. A family may map a name to None: a tensor this rank does
+        not hold and never reads (mixture_of_experts.py: another rank's expert)."""
         tp, every, cfg = self.tp, slice(None), self.config
         targets = {}
         for name, p in self.named_parameters():  # a tied lm_head is listed once, as embed_tokens
@@ -313,7 +312,7 @@ class LlamaForCausalLM(nn.Module):
         q, kv, mlp = attn.q_size, attn.kv_size, self.shard_config.intermediate_size
         # KV heads: rank r reads from head r * kv_heads // tp; with fewer heads than ranks
         # that rounds down, so tp / kv_heads neighbouring ranks read (replicate) the same head.
-        kv_heads = num_kv_heads_of(cfg)
+        kv_heads = get_total_num_kv_heads(cfg)
         kv_first = tp.rank * kv_heads // tp.size * attn.head_dim
         fused = {  # our fused module -> the HF modules stacked in it, in row order: (name, our
             # rows, first row of this rank's part, rows of the checkpoint's matrix)
@@ -327,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
             for ours, parts in fused.items():
                 for kind in ("weight", "bias"):
                     name = f"model.layers.{i}.{ours}.{kind}"
-                    if name not in targets:  # a projection without bias
+                    if name not in targets:  # a projection without bias, or a layer without it
                         continue
                     param = targets.pop(name)[0]
                     start = 0
@@ -338,6 +337,8 @@ class LlamaForCausalLM(nn.Module):
                         start += num_rows
             for module, cols in (("self_attn.o_proj", q), ("mlp.down_proj", mlp)):
                 name = f"model.layers.{i}.{module}.weight"
+                if name not in targets:      # a sparse layer of a mixture of experts: no down_proj
+                    continue
                 targets[name] = (targets[name][0], every,
                                  (every, slice(tp.rank * cols, (tp.rank + 1) * cols)),
                                  cols * tp.size)
@@ -351,14 +352,17 @@ class LlamaForCausalLM(nn.Module):
 
         Rotary `inv_freq` buffers (old checkpoints) are skipped, as is `lm_head.weight` when it is
         tied to the embedding, and on ranks other than 0 the row-parallel biases (rank 0 adds
-        them once). A name we do not know, a shape that does not match, or a weight the
+        them once); so is, never read, a tensor another rank holds (its target is None: an expert
+        held elsewhere). A name we do not know, a shape that does not match, or a weight the
         checkpoint lacks raises ValueError naming the weight.
-        A quantized Linear's part is quantized as it is read (its rows' scales beside it): only
-        one full-precision tensor is ever in memory, never the model.
+        A quantized weight's part is quantized as it is read, its rows' scales into the buffer
+        beside it named `<weight>_scale` (Linear's weight_scale, FusedMoE's w13_weight_scale and
+        w2_weight_scale): only one full-precision tensor is ever in memory, never the model.
         """
         targets = self._checkpoint_targets()
-        missing = set(targets)
-        quantized = {id(m.weight): m for m in self.modules() if isinstance(m, Linear) and m.quantization}
+        missing = {name for name, target in targets.items() if target is not None}
+        scales = {id(p): (getattr(m, f"{n}_scale"), m.quantization) for m in self.modules()
+                  for n, p in m.named_parameters(recurse=False) if hasattr(m, f"{n}_scale")}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
@@ -368,6 +372,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in targets:
                 raise ValueError(f"unexpected weight {name!r} in the checkpoint for {type(self).__name__}")
+            if targets[name] is None:
+                continue
             param, rows, part, full = targets[name]
             dest = param.data[rows]
             # The checkpoint's shape: ours, with the dimension this rank's part cuts at full size.
@@ -376,11 +382,11 @@ class LlamaForCausalLM(nn.Module):
             shape = list(tensor.shape if isinstance(tensor, Tensor) else tensor.get_shape())
             if shape != expected:
                 raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
-            if id(param) in quantized:
-                linear = quantized[id(param)]
-                q, scale = quantize(tensor[part], linear.quantization)
+            if id(param) in scales:
+                scale_buffer, method = scales[id(param)]
+                q, scale = quantize(tensor[part], method)
                 dest.copy_(q)
-                linear.weight_scale[rows].copy_(scale)
+                scale_buffer[rows].copy_(scale)
             else:
                 dest.copy_(tensor[part])
             missing.discard(name)

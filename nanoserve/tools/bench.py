@@ -58,9 +58,9 @@ def make_workload(num_prompts: int = 64, input_len=(32, 512), output_len=(32, 25
 
 def layer_weights(hf_config) -> int:
     """Weights one decoder layer multiplies by: the q, k, v and o projections and the MLP's three."""
-    from nanoserve.models.llama import head_dim_of
-    h, heads, head_dim = hf_config.hidden_size, hf_config.num_attention_heads, head_dim_of(hf_config)
-    kv = hf_config.num_key_value_heads * head_dim
+    from nanoserve.models import get_head_size, get_total_num_kv_heads
+    h, heads, head_dim = hf_config.hidden_size, hf_config.num_attention_heads, get_head_size(hf_config)
+    kv = get_total_num_kv_heads(hf_config) * head_dim
     return h * (heads * head_dim + 2 * kv) + heads * head_dim * h + 3 * h * hf_config.intermediate_size
 
 
@@ -68,9 +68,9 @@ def useful_flops(hf_config, prompts, output_lens) -> float:
     """FLOPs the workload needs at the least: 2 per weight per token through the layers, the
     LM head once per output token, and QK^T + PV attention over each token's context
     (recomputation after preemption does not count)."""
-    from nanoserve.models.llama import head_dim_of
+    from nanoserve.models import get_head_size
     h, layers, heads = hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.num_attention_heads
-    head_dim, per_layer = head_dim_of(hf_config), layer_weights(hf_config)
+    head_dim, per_layer = get_head_size(hf_config), layer_weights(hf_config)
     total = 0.0
     for prompt, out in zip(prompts, output_lens):
         fed = len(prompt) + out - 1                  # the last sampled token is never fed back

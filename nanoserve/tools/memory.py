@@ -29,7 +29,7 @@ device (shapes without memory); the RoPE tables the model builds at load are add
 activation reserve is the engine's profile, estimated: `estimate_activation_bytes` (model_loader.py).
 With --tensor-parallel-size N everything is per GPU: each holds 1/N of the weights and of the
 KV heads (at least one), as vLLM and the engine's own --tensor-parallel-size shard them
-(models/llama.py `shard_for_tp`). nanoserve stores KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
+(models/geometry.py). nanoserve stores KV in the model dtype; other --kv-cache-dtype values answer "what would vLLM's do".
 With --data-parallel-size D every figure is still per rank: each of the D engine cores holds a
 whole copy (its weights and a KV pool of its own, on its own TP GPUs), and the last row says
 what the D of them hold together.
@@ -55,8 +55,8 @@ from rich.console import Console
 from rich.table import Table
 
 from nanoserve.config import DEFAULT_MODEL, Config
-from nanoserve.models import get_model_class
-from nanoserve.models.llama import head_dim_of, shard_for_tp
+from nanoserve.models import (get_head_size, get_model_class, get_num_kv_heads, get_num_layers,
+                              verify_with_parallel_config)
 from nanoserve.model_loader import (CPU_KV_CACHE_GB, KV_BLOCKS_CAP_FACTOR,
                                     estimate_activation_bytes, kv_cache_bytes_per_token,
                                     kv_cache_memory_budget, max_len_of, max_useful_kv_blocks,
@@ -209,7 +209,7 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
     meta, num_params, params_from, buffer_bytes, weight_bytes = _weights(
         hf_config, checkpoint, model_dtype, quantization)
     weight_bytes /= tp
-    shard = shard_for_tp(hf_config, tp)
+    verify_with_parallel_config(hf_config, tp)    # the engine's own ValueError if it does not split
 
     # The engine's rule (ModelRunner._num_kv_blocks): a given pool size, or without a GPU a fixed
     # default, is used as is; on a GPU the pool gets what weights and activations leave, capped.
@@ -218,8 +218,8 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
     if device_bytes is not None and activation_reserve_gb is not None:
         activation_bytes, activation_from = activation_reserve_gb * GiB, "given"
     elif device_bytes is not None:
-        activation_bytes = estimate_activation_bytes(shard, model_dtype, max_num_batched_tokens,
-                                                     max_num_seqs, block_size)
+        activation_bytes = estimate_activation_bytes(hf_config, model_dtype, max_num_batched_tokens,
+                                                     max_num_seqs, block_size, tp)
         activation_from = f"estimated profile: a forward of {max_num_batched_tokens} tokens"
     if kv_cache_memory_gb is not None or device_bytes is None:
         kv_budget, cap = (kv_cache_memory_gb or CPU_KV_CACHE_GB) * GiB, math.inf
@@ -230,7 +230,7 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                                            activation_bytes)
         kv_budget_from = "device x utilisation - weights - reserve"
         cap = max_useful_kv_blocks(max_num_seqs, resolved.max_model_len, block_size)
-    num_blocks = max(0, min(num_blocks_for_memory(kv_budget, shard, kv_dtype, block_size), cap))
+    num_blocks = max(0, min(num_blocks_for_memory(kv_budget, hf_config, kv_dtype, block_size, tp), cap))
     return MemoryReport(
         model=model, dtype=model_dtype, quantization=quantization, kv_cache_dtype=kv_dtype,
         tensor_parallel_size=tp,
@@ -238,9 +238,9 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
         weight_bytes=weight_bytes, device_bytes=device_bytes,
         gpu_memory_utilization=gpu_memory_utilization, activation_bytes=activation_bytes,
         activation_from=activation_from, kv_budget_bytes=kv_budget, kv_budget_from=kv_budget_from,
-        num_layers=shard.num_hidden_layers, num_kv_heads=shard.num_key_value_heads,
-        head_dim=head_dim_of(shard), data_parallel_size=data_parallel_size,
-        kv_bytes_per_token=kv_cache_bytes_per_token(shard, kv_dtype), block_size=block_size,
+        num_layers=get_num_layers(hf_config), num_kv_heads=get_num_kv_heads(hf_config, tp),
+        head_dim=get_head_size(hf_config), data_parallel_size=data_parallel_size,
+        kv_bytes_per_token=kv_cache_bytes_per_token(hf_config, kv_dtype, tp), block_size=block_size,
         num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs)
 
 
