@@ -132,6 +132,8 @@ class EngineCore:
         if self.config.debug:
             self._debug(scheduler_output, time.perf_counter() - start)
         if self.tracer.enabled:
+            if self.executor.expert_load:      # a mixture of experts: tokens per expert
+                self.tracer.emit("expert_load", counts=self.executor.expert_load)
             self.tracer.emit("step_done", duration_s=round(time.perf_counter() - start, 6),
                              sampled=sampled)
             self.tracer.flush()

@@ -1,7 +1,8 @@
 """executor.py: how the engine core runs the model (vLLM's executors): `UniProcExecutor`, the
 ModelRunner in this process (one device), or `MultiprocExecutor`, one `Worker` process per
 tensor-parallel rank. Both have the calls of `EngineCore`'s one code path: `execute_model`,
-`timings`, `worker_pids()` (the server prints them), the runner's `RunnerInfo` as attributes.
+`timings`, `expert_load` (the last step's, traced), `worker_pids()` (the server prints them), the
+runner's `RunnerInfo` as attributes.
 With `tensor_parallel_size` N > 1 (`LLM(model, tensor_parallel_size=2)`, or `nanoserve serve
 --tensor-parallel-size 2`) the layout is:
 
@@ -68,6 +69,11 @@ class UniProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput):
         return self.model_runner.execute_model(scheduler_output)
 
+    @property
+    def expert_load(self) -> Optional[list[list[int]]]:
+        """The last step's [MoE layer][expert] token counts under --trace (expert_load.py)."""
+        return self.model_runner.step_expert_load
+
     def worker_pids(self) -> list[int]:
         return []       # no worker process: the model runs in this one
 
@@ -108,6 +114,7 @@ class MultiprocExecutor:
             raise
         vars(self).update(vars(info))      # config, model_path, hf_config, vocab_size, ...
         self.timings = {"prepare": 0.0, "forward": 0.0, "sample": 0.0}   # rank 0's
+        self.expert_load: Optional[list[list[int]]] = None    # rank 0's, of the last step
 
     def worker_pids(self) -> list[int]:
         """Each rank's process id, rank order."""
@@ -119,7 +126,7 @@ class MultiprocExecutor:
             raise WorkerError(f"tensor-parallel workers are down: {self.error}")
         self._outbox.put(scheduler_output)
         try:
-            sampled, logprobs, failed, timings = self._receive([0], self.timeout_s)[0]
+            sampled, logprobs, failed, timings, self.expert_load = self._receive([0], self.timeout_s)[0]
         except WorkerError as e:
             self.error = str(e)
             for proc in self.procs:    # mid-step: a rank may wait in a collective, or be stopped

@@ -44,6 +44,7 @@ import torch
 from nanoserve.backends import load_backend
 from nanoserve.config import Config
 from nanoserve.distributed import SINGLE, TensorParallel
+from nanoserve.expert_load import ExpertLoad
 from nanoserve.model_loader import (CPU_KV_CACHE_GB, DeviceMemory, device_memory,
                                     iterate_weights, kv_cache_memory_budget, max_len_of,
                                     max_useful_kv_blocks, num_blocks_for_memory, resolve_device,
@@ -110,6 +111,11 @@ class ModelRunner:
                 f"of max_model_len ({self.config.max_model_len}); lower max_model_len or raise "
                 f"num_kv_blocks / kv_cache_memory_gb / gpu_memory_utilization")
         self.kv_caches = self._allocate_kv_caches(self.config.num_kv_blocks)
+        # --trace on a mixture of experts: each step's expert load (rank 0's; before the capture,
+        # which then records the copy of the router logits it makes)
+        self.expert_load = (ExpertLoad.of(self.model, config.max_num_batched_tokens, self.device)
+                            if config.trace and self.tp.rank == 0 else None)
+        self.step_expert_load: Optional[list[list[int]]] = None   # [MoE layer][expert], last step
         # A captured graph reads these caches and inputs where they are: captured now, once.
         self.backend.capture(self.inputs, self.kv_caches)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed),
@@ -243,6 +249,8 @@ class ModelRunner:
         forward_start = time.perf_counter()
         hidden = self.backend.forward(input_ids, positions, self.kv_caches,
                                       self.backend.build_metadata(meta))
+        if self.expert_load is not None:     # the real rows only: padding is never counted
+            self.step_expert_load = self.expert_load.counts(sum(out.num_scheduled_tokens))
         self.timings["prepare"] += forward_start - start
         if not sampling:
             self.timings["forward"] += time.perf_counter() - forward_start

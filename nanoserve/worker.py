@@ -79,9 +79,9 @@ def run_worker(config: Config, rank: int, init_method: str, conn) -> None:
         conn.send(("ready", RunnerInfo.of(worker.runner) if rank == 0 else None))
         while (scheduler_output := conn.recv()) is not None:
             result = worker.runner.execute_model(scheduler_output)
-            if rank == 0:    # with this step's timings, which start again from zero
-                timings = worker.runner.timings
-                conn.send(("result", (*result, dict(timings))))
+            if rank == 0:    # with this step's timings, which start again from zero, and
+                timings = worker.runner.timings     # its expert load (--trace, expert_load.py)
+                conn.send(("result", (*result, dict(timings), worker.runner.step_expert_load)))
                 timings.update(dict.fromkeys(timings, 0.0))
     except EOFError:     # the engine core closed the pipe: nothing left to do
         pass

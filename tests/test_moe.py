@@ -189,3 +189,38 @@ def test_experts_that_do_not_split_and_expert_parallel_with_data_parallel_are_er
         verify_with_parallel_config(cfg, 2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="enable_expert_parallel with data_parallel_size > 1 .* not supported yet"):
         Config(data_parallel_size=2, enable_expert_parallel=True)
+
+
+def test_trace_records_each_steps_expert_load(tmp_path, monkeypatch):
+    """--trace: an expert_load event for every step that ran the model, decode steps replayed from
+    a capture included; each layer's counts sum to the step's tokens x top_k (padding rows not
+    counted), and equal what a hook on FusedMoE counts in the same run with --enforce-eager."""
+    from nanoserve.trace import Trace
+    from nanoserve.tools.replay_plots import summary
+    build_checkpoint(tmp_path / "ckpt", "mixtral", num_local_experts=4, num_experts_per_tok=2,
+                     intermediate_size=48)
+    prompts, max_tokens = workload(n=5)
+    params = [SamplingParams(max_tokens=m, **GREEDY) for m in max_tokens]
+    traces = {}
+    for eager in (False, True):
+        counting, hooked = Counting(monkeypatch), []
+        path = str(tmp_path / f"{eager}.jsonl")
+        llm = LLM(str(tmp_path / "ckpt"), max_model_len=256, num_kv_blocks=64, max_num_seqs=8,
+                  trace=path, enforce_eager=eager)
+        if eager:
+            for m in llm.engine.executor.model_runner.model.modules():
+                if isinstance(m, FusedMoE):
+                    m.register_forward_hook(lambda m, args, out: hooked.append(torch.bincount(
+                        select_experts(args[1], m.top_k, m.renormalize)[1].flatten(), minlength=4).tolist()))
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, progress=False)
+        llm.engine.tracer.close()
+        assert (counting.replays > 0) != eager
+        traces[eager] = Trace.load(path)
+    captured, eager = traces[False], traces[True]
+    for step, counts in captured.expert_load.items():
+        tokens = sum(captured.frames[step].schedule["scheduled"].values())
+        assert len(counts) == 2 and all(sum(layer) == 2 * tokens for layer in counts), step
+    assert captured.expert_load == eager.expert_load       # the same schedule, the same routing
+    assert [layer for step in sorted(eager.expert_load) for layer in eager.expert_load[step]] == hooked
+    assert len(captured.expert_load) == len([f for f in captured.frames.values() if f.schedule])
+    assert summary(captured)["expert_load"]["experts"] == 4
