@@ -228,6 +228,8 @@ def _add_memory(sub) -> None:
     mem.add_argument("--data-parallel-size", type=int, default=1, help="Engine cores serving "
                      "copies of the model (each on its own TP GPUs); the figures are per rank, "
                      "the last row all of them.")
+    mem.add_argument("--enable-expert-parallel", action="store_true", help="A mixture of "
+                     "experts: each GPU holds E/N whole experts, not a slice of each.")
     mem.add_argument("--activation-reserve-gb", type=float, help="The activation peak in GiB, "
                      "e.g. as the engine measured it (default: estimated from the config).")
     mem.add_argument("--plot", metavar="FILE", help="Write a figure: memory against context "

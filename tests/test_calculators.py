@@ -257,3 +257,26 @@ def test_memory_takes_a_hugging_face_id_and_fetches_only_its_config(monkeypatch)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
     with pytest.raises(ValueError, match="could not be fetched from the Hugging Face hub.*offline"):
         memory_report("Qwen/Qwen3-30B-A3B")
+
+
+def test_memory_counts_a_mixture_of_experts_total_and_active_parameters():
+    """The shipped Qwen3-30B-A3B and Mixtral-8x7B configs, counted by hand: a token uses every
+    parameter but the experts it is not routed to (E - top_k of E, in each MoE layer)."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    h, q, kv, hd, layers, v = 2048, 32, 4, 128, 48, 151936          # Qwen3-30B-A3B
+    attention = h * q * hd * 2 + h * kv * hd * 2 + 2 * hd           # q, o, k, v; q/k norms
+    expert, e, k = 3 * h * 768, 128, 8
+    total = layers * (attention + 2 * h + h * e + e * expert) + 2 * v * h + h
+    r = memory_report(str(examples / "qwen3-30b-a3b-config.json"), device_memory_gb=80)
+    assert (r.num_params, r.active_params) == (total, total - layers * (e - k) * expert)
+    assert (r.num_params, r.active_params) == (30_532_122_624, 3_353_032_704)   # "30B-A3B"
+    h, layers, v, expert, e, k = 4096, 32, 32000, 3 * 4096 * 14336, 8, 2     # Mixtral-8x7B
+    mixtral = str(examples / "mixtral-8x7b-config.json")
+    r = memory_report(mixtral, device_memory_gb=80, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert r.num_params - r.active_params == layers * (e - k) * expert
+    assert (round(r.num_params / 1e9, 1), round(r.active_params / 1e9, 1)) == (46.7, 12.9)
+    assert r.experts.startswith("4 of 8 whole experts per GPU") and r.weight_bytes < 47e9
+    assert memory_report(mixtral, device_memory_gb=80).active_params == r.active_params
+    assert memory_report(str(examples / "llama-3-8b-config.json"), device_memory_gb=80).active_params is None
+    with pytest.raises(ValueError, match="enable_expert_parallel: tensor_parallel_size 16 must divide"):
+        memory_report(mixtral, device_memory_gb=80, tensor_parallel_size=16, enable_expert_parallel=True)

@@ -34,6 +34,9 @@ With --data-parallel-size D every figure is still per rank: each of the D engine
 whole copy (its weights and a KV pool of its own, on its own TP GPUs), and the last row says
 what the D of them hold together.
 
+A mixture of experts (Qwen3-MoE, Mixtral) adds its active parameters: all but the experts a token
+is not routed to; --enable-expert-parallel gives each GPU E/N whole experts (vLLM's flag).
+
 With --quantization int8|fp8 the weights are the engine's quantized modules' bytes (1 byte a
 weight of every Linear but the LM head, plus a float32 scale per output row), and the table says
 how many more KV blocks that leaves than the model dtype's weights.
@@ -62,6 +65,7 @@ from nanoserve.model_loader import (CPU_KV_CACHE_GB, KV_BLOCKS_CAP_FACTOR,
                                     kv_cache_memory_budget, max_len_of, max_useful_kv_blocks,
                                     num_blocks_for_memory, resolve_dtype, resolve_model_path,
                                     safetensors_files)
+from nanoserve.layers import FusedMoE
 from nanoserve.quantization import quantized_weight_bytes
 
 GiB = 2**30
@@ -96,6 +100,8 @@ class MemoryReport:
     max_model_len: int
     max_num_seqs: int
     data_parallel_size: int = 1      # engine cores, each holding all of the above
+    active_params: Optional[int] = None   # a mixture of experts: the parameters a token uses
+    experts: Optional[str] = None         # and how its experts sit on each GPU
 
     @property
     def blocks_per_seq(self) -> int:
@@ -189,13 +195,13 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
                   tensor_parallel_size: int = 1, kv_cache_memory_gb: Optional[float] = None,
                   activation_reserve_gb: Optional[float] = None,
                   max_num_batched_tokens: int = 2048, max_num_seqs: int = 64,
-                  data_parallel_size: int = 1, quantization: Optional[str] = None) -> MemoryReport:
+                  data_parallel_size: int = 1, quantization: Optional[str] = None,
+                  enable_expert_parallel: bool = False) -> MemoryReport:
     """Size the KV pool exactly as the engine would for these settings (see the module doc)."""
     # Config checks what the engine checks (block_size, gpu_memory_utilization, dtype, ...).
     config = Config(model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
-                    quantization=quantization,
-                    kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
-                    gpu_memory_utilization=gpu_memory_utilization,
+                    quantization=quantization, kv_cache_memory_gb=kv_cache_memory_gb,
+                    max_num_seqs=max_num_seqs, gpu_memory_utilization=gpu_memory_utilization,
                     max_num_batched_tokens=max_num_batched_tokens)
     tp = tensor_parallel_size
     _check_arguments(device_memory_gb, activation_reserve_gb, tp, kv_cache_dtype, data_parallel_size)
@@ -205,11 +211,11 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
     model_dtype = resolve_dtype(dtype, torch.device("cpu" if device_bytes is None else "cuda"),
                                 hf_config)
     kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
-
     meta, num_params, params_from, buffer_bytes, weight_bytes = _weights(
         hf_config, checkpoint, model_dtype, quantization)
     weight_bytes /= tp
-    verify_with_parallel_config(hf_config, tp)    # the engine's own ValueError if it does not split
+    verify_with_parallel_config(hf_config, tp, enable_expert_parallel)   # the engine's ValueError
+    active_params, experts = _experts(meta, num_params, tp, enable_expert_parallel)
 
     # The engine's rule (ModelRunner._num_kv_blocks): a given pool size, or without a GPU a fixed
     # default, is used as is; on a GPU the pool gets what weights and activations leave, capped.
@@ -241,7 +247,8 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
         num_layers=get_num_layers(hf_config), num_kv_heads=get_num_kv_heads(hf_config, tp),
         head_dim=get_head_size(hf_config), data_parallel_size=data_parallel_size,
         kv_bytes_per_token=kv_cache_bytes_per_token(hf_config, kv_dtype, tp), block_size=block_size,
-        num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs)
+        num_blocks=num_blocks, max_model_len=resolved.max_model_len, max_num_seqs=max_num_seqs,
+        active_params=active_params, experts=experts)
 
 
 def _weights(hf_config, checkpoint: Optional[Path], dtype: torch.dtype, quantization: Optional[str]):
@@ -258,6 +265,20 @@ def _weights(hf_config, checkpoint: Optional[Path], dtype: torch.dtype, quantiza
     weight_bytes = (quantized_weight_bytes(quantized, dtype) if quantized
                     else num_params * dtype.itemsize)
     return meta, num_params, params_from, buffer_bytes, weight_bytes + buffer_bytes
+
+
+def _experts(meta, num_params: int, tp: int, expert_parallel: bool):
+    """A mixture of experts' (parameters active per token, where its experts sit); (None, None)
+    for a dense model. Active: all but the experts a token does not pick (E - top_k of E)."""
+    moes = [m for m in meta.modules() if isinstance(m, FusedMoE)]
+    if not moes:
+        return None, None
+    unused = sum((m.w13_weight.numel() + m.w2_weight.numel()) * (1 - m.top_k / m.num_experts)
+                 for m in moes)
+    e, k = moes[0].num_experts, moes[0].top_k
+    where = (f"{e // tp} of {e} whole experts per GPU (expert parallel)" if expert_parallel
+             else f"a 1/{tp} slice of each of {e} experts per GPU" if tp > 1 else f"{e} experts")
+    return round(num_params - unused), f"{where}, top-{k} a token, {len(moes)} MoE layers"
 
 
 def verdict(r: MemoryReport) -> str:
@@ -299,6 +320,9 @@ def print_report(r: MemoryReport, console: Optional[Console] = None,
           if r.quantization is None else f"{r.num_params:,} params: the Linears' {r.quantization} (1 "
           f"byte + a float32 scale per row), embedding and LM head {str(r.dtype)[6:]}")
          + f" + {r.buffer_bytes / 2**20:.1f} MiB RoPE tables" + (f", / {tp} GPUs" if tp > 1 else "")),
+        *([("active / token", f"{r.active_params:,}", f"params, {r.active_params / r.num_params:.1%}"
+            f": {r.experts}; a decode batch reads each expert any of its tokens picked")]
+          if r.active_params else []),
         ("activation reserve", _gib(r.activation_bytes), r.activation_from),
         ("KV cache budget", _gib(r.kv_budget_bytes), r.kv_budget_from),
         ("KV bytes / token", f"{r.kv_bytes_per_token:,}",
