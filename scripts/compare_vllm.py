@@ -51,8 +51,8 @@ from typing import Callable
 
 import torch
 
-from nanoserve.tools.bench import (cpu_description, make_bench_llm, make_checkpoint, make_workload,
-                             time_workload)
+from nanoserve.tools.bench import (MOE_CHECKPOINT, QWEN3_MOE_AT_SMOLLM2, cpu_description,
+                                   make_bench_llm, make_checkpoint, make_workload, time_workload)
 
 VLLM_SIDE = r"""
 import json, sys, time
@@ -190,8 +190,10 @@ def main():
                              "find every prompt cached, and measure mostly decode")
     parser.add_argument("--block-size", type=int, default=None,
                         help="KV block size for both engines (default: each engine's own)")
+    parser.add_argument("--moe", action="store_true", help="a mixture of experts of the same "
+                        "width (Qwen3-MoE, 16 experts, 4 a token: bench.QWEN3_MOE_AT_SMOLLM2)")
     args = parser.parse_args()
-    path = make_checkpoint()
+    path = make_checkpoint(MOE_CHECKPOINT, QWEN3_MOE_AT_SMOLLM2) if args.moe else make_checkpoint()
     prompts, output_lens = make_workload(args.num_prompts)
     spec = {"model": str(path), "dtype": args.dtype, "prompts": prompts,
             "output_lens": output_lens, "prefix_caching": args.prefix_caching,

@@ -29,17 +29,24 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
                     architectures=["LlamaForCausalLM"])
 DEFAULT_CHECKPOINT = Path("/tmp/nanoserve-bench-smollm2-135m")
+# A mixture of experts of the same width (scripts/compare_vllm.py --moe): Qwen3-MoE's layers with 16
+# experts of 384, 4 a token, so that a token's MLP work (4 x 384 = 1536) is SmolLM2-135M's.
+QWEN3_MOE_AT_SMOLLM2 = dict(SMOLLM2_135M, architectures=["Qwen3MoeForCausalLM"], head_dim=64,
+                            num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
+                            norm_topk_prob=True)
+MOE_CHECKPOINT = Path("/tmp/nanoserve-bench-qwen3moe-16x384")
 
 
-def make_checkpoint(path: Path = DEFAULT_CHECKPOINT) -> Path:
-    """Random SmolLM2-135M-shaped weights plus a word-level tokenizer, saved once, loaded by
-    the real loader (no hub needed)."""
+def make_checkpoint(path: Path = DEFAULT_CHECKPOINT, shape: dict = SMOLLM2_135M) -> Path:
+    """Random weights of `shape` (SmolLM2-135M's) plus a word-level tokenizer, saved once, loaded
+    by the real loader (no hub needed)."""
     if (path / "model.safetensors").is_file():
         return path
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M)).save_pretrained(path)
+    model_type = "qwen3_moe" if shape["architectures"] == ["Qwen3MoeForCausalLM"] else "llama"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape)).save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(SMOLLM2_135M["vocab_size"])},
                                      unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
