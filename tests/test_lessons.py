@@ -35,7 +35,7 @@ EXERCISE = re.compile(r"^### Exercise (\d)\.(\d) \((predict, then check|build)\)
 LAYERS = {"api.py": [1], "engine.py": [1], "engine_core.py": [1], "kv_cache.py": [2, 4, 5],
           "paged_attention.py": [2], "scheduler.py": [3, 4], "config.py": [6, 7], "model_runner.py": [6],
           "model_loader.py": [6], "sampler.py": [7], "structured_output.py": [7],
-          "spec_decode.py": [8]}
+          "spec_decode.py": [8], "models/mixture_of_experts.py": [9]}
 # Commands whose output does not depend on the machine or the clock: what the lesson shows must
 # be what they print today, so every figure in those outputs is checked.
 DETERMINISTIC = ("nanoserve memory", "nanoserve cost")
