@@ -247,6 +247,8 @@ EXERCISES = {
     "7.4": Exercise("lesson7_exponential_race.py", "the sampler's exponential race",
                     engine.check_exponential_race),
     "8.3": Exercise("lesson8_ngram_proposer.py", "the n-gram proposer", check_ngram_proposer),
+    "9.3": Exercise("lesson9_router.py", "the router of a mixture of experts",
+                    engine.check_router),
 }
 
 

@@ -1,8 +1,9 @@
-"""checks_engine.py: the checks of the build-the-mechanism exercises (2.4, 3.5, 4.4, 5.4, 7.4), run
-by lessons/checks.py.
+"""checks_engine.py: the checks of the build-the-mechanism exercises (2.4, 3.5, 4.4, 5.4, 7.4, 9.3),
+run by lessons/checks.py.
 
 Each exercise writes one piece of the engine itself: the flat batch's indices, the running half of
-the scheduler, allocate_slots, the prefix-cache hash chain, the sampler's exponential race. The
+the scheduler, allocate_slots, the prefix-cache hash chain, the sampler's exponential race, a
+mixture of experts' router (on tiny random MoE checkpoints, lessons/moe_checkpoint.py). The
 check swaps the learner's piece into the real engine, through the same public attributes that
 lessons/workload.py uses (`engine.scheduler`, `engine.kv_cache_manager`, and the model runner's
 `sampler` and `batch_indices`: `engine.executor.model_runner`), and asks for HF transformers'
@@ -259,3 +260,78 @@ def check_exponential_race(mod, say) -> None:
            "alone and in a batch of four")
     expect_hf_greedy(llm, prompt_ids(llm)[:2], 12)
     say("in the real engine: a seeded request repeats in a mixed batch; greedy rows are HF's")
+
+
+# -- 9.3 the router of a mixture of experts ----------------------------------------------------
+def expect_same_routing(mine, logits, top_k: int, renormalize: bool) -> None:
+    """The learner's (weights, ids) for `logits` agree with nanoserve's select_experts: a top-k
+    set of experts (any of tied ones), each with its weight; the columns in any order."""
+    import torch
+
+    from nanoserve.layers import select_experts
+    case = f"logits {logits.tolist()}, top_k {top_k}, renormalize {renormalize}"
+    weights, ids = mine(logits.clone(), top_k, renormalize)
+    want_w, _ = select_experts(logits, top_k, renormalize)
+    expect(weights.dtype == torch.float32, f"{case}: weights must be float32 (got {weights.dtype}):"
+           " take the softmax in float32, whatever the logits' dtype")
+    expect(tuple(weights.shape) == tuple(ids.shape) == (logits.shape[0], top_k), f"{case}: "
+           f"weights and ids must be [tokens, top_k] (got {tuple(weights.shape)}, {tuple(ids.shape)})")
+    expect(not ids.is_floating_point(), f"{case}: ids must be integers (got {ids.dtype})")
+    probs = torch.softmax(logits.float(), dim=-1)
+    for row, (w, i) in enumerate(zip(weights, ids.long())):
+        expect(len(set(i.tolist())) == top_k, f"{case}: token {row} got experts {i.tolist()}: "
+               "k different experts")
+        expect(torch.allclose(probs[row].topk(top_k).values, probs[row, i].sort(descending=True)
+                              .values), f"{case}: token {row} got experts {i.tolist()}, not "
+               f"the {top_k} most probable (probabilities {probs[row].tolist()})")
+        expect(torch.allclose(w.sort().values, want_w[row].sort().values, atol=1e-6),
+               f"{case}: token {row}'s weights are {w.tolist()}, nanoserve's "
+               f"{want_w[row].tolist()}")
+
+
+def check_router(mod, say) -> None:
+    import tempfile
+
+    import torch
+
+    from moe_checkpoint import build
+    from nanoserve.layers import FusedMoE
+    forbid(mod, {"select_experts", "nanoserve"}, "route with torch yourself")
+    example = torch.tensor([[0.0, 2.0, 1.0, 2.0]])
+    for renormalize in (True, False):
+        expect_same_routing(mod.select_experts, example, 2, renormalize)
+    say("logits [0, 2, 1, 2], top-2: experts 1 and 3, weights 0.5 / 0.5 renormalized, 0.40 / "
+        "0.40 not")
+    gen = torch.Generator().manual_seed(0)
+    cases = [(torch.tensor([[1.0, 1.0, 1.0, 0.0], [3.0, 3.0, 3.0, 3.0]]), 2),      # ties
+             (torch.randn(6, 8, generator=gen), 1), (torch.randn(6, 8, generator=gen), 2),
+             (torch.randn(5, 16, generator=gen) * 4, 3),
+             ((torch.randn(4, 8, generator=gen) * 3).bfloat16(), 2)]
+    for logits, top_k in cases:
+        for renormalize in (True, False):
+            expect_same_routing(mod.select_experts, logits, top_k, renormalize)
+    say("ties, top-1/2/3, renormalize on and off, bfloat16 logits: nanoserve's experts and weights")
+    calls = []
+
+    def counted(router_logits, top_k, renormalize):
+        calls.append(router_logits.shape[0])
+        return mod.select_experts(router_logits, top_k, renormalize)
+    with tempfile.TemporaryDirectory() as tmp:
+        # Qwen3-MoE without norm_topk_prob (the weights sum to less than 1), Mixtral with it
+        for arch, extra in (("qwen3_moe", dict(norm_topk_prob=False)), ("mixtral", {})):
+            path = build(f"{tmp}/{arch}", arch, experts=8, top_k=2, num_hidden_layers=2, **extra)
+            llm = small_llm(model=str(path))
+            moes = [m for m in llm.engine.executor.model_runner.model.modules()
+                    if isinstance(m, FusedMoE)]
+            expect(moes and all(m.route(torch.zeros(1, 8))[1].shape == (1, 2) for m in moes),
+                   "no FusedMoE in the model (check bug)")
+            for m in moes:
+                m.custom_routing_function = counted
+            calls.clear()
+            expect_hf_greedy(llm, prompt_ids(llm), 12)
+            expect(len(calls) >= 12 * len(moes), f"your router was called {len(calls)} times "
+                   "(check bug: the engine routed without it)")
+            for m in moes:
+                m.custom_routing_function = None
+    say("in the real engine, your router in every MoE layer: a tiny Qwen3-MoE (norm_topk_prob "
+        "false) and a tiny Mixtral, 4 prompts each, HF transformers' greedy tokens")

@@ -30,6 +30,8 @@ MLP's is. The router is replicated and, as in vLLM, never quantized: `--quantiza
 each expert per output channel (FusedMoE's w13_weight_scale, w2_weight_scale).
 
     pytest -q tests/test_moe.py
+
+Lesson: lessons/09-mixture-of-experts.md (the router, total against active parameters, TP and EP).
 """
 
 from __future__ import annotations

@@ -182,4 +182,13 @@ EDITS = {
             "lets the last n tokens match themselves, which proposes nothing useful",
             [("range(end - n - 1, -1, -1)", "range(end - n, -1, -1)")]),
     },
+    "lesson9_router": {
+        "always_renormalizes": (
+            "renormalizes the k weights even when the model says not to (Qwen3-MoE with "
+            "norm_topk_prob false)",
+            [("    if renormalize:\n", "    if True:\n")]),
+        "bfloat16_softmax": (
+            "takes the softmax in the logits' own dtype (bfloat16 in the engine), not float32",
+            [("router_logits.float()", "router_logits")]),
+    },
 }
