@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig
 
 from nanoserve.tools.bench import main as bench_main
 from nanoserve.tools.bench import make_workload, run_bench, useful_flops
@@ -19,6 +19,11 @@ def test_useful_flops_by_hand():
     # One request, prompt 2, output 2: 3 tokens fed -> 2*144*3 = 864; LM head 2*4*10*2 = 160;
     # attention 4 * 1 layer * 2 heads * 2 dims * (1 + 2 + 3) = 96.
     assert useful_flops(cfg, [[1, 2]], [2]) == 864 + 160 + 96
+    # A mixture of experts: the router (4 x 3 experts) and 2 experts of 8 replace the MLP's 96:
+    # 48 + 12 + 2 * 3 * 4 * 8 = 252 weights a layer, 2 * 252 * 3 = 1512 for the 3 tokens fed.
+    moe = MixtralConfig(hidden_size=4, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, vocab_size=10, num_local_experts=3, num_experts_per_tok=2)
+    assert useful_flops(moe, [[1, 2]], [2]) == 1512 + 160 + 96
 
 
 def test_workload_is_seeded():
