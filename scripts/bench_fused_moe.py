@@ -8,44 +8,24 @@ chosen by its own start-up timing (gemm.py), as the engine would choose them.
 
     PYTHONPATH=$PWD python scripts/bench_fused_moe.py [--repeats 30]
 
-Prints the CPU's model name (lscpu), the paths chosen, and for each case both times (best of
+Prints the CPU's model name and flags (lscpu), the paths chosen, and for each case both times (best of
 the repeats) and the ratio reference / CPU form (above 1: the CPU form is faster).
 """
 
 import argparse
 import copy
-import subprocess
 import time
 
 import torch
 
+from moe_kit import random_moe   # (this script's folder is on sys.path)
+
 from nanoserve.config import Config
 from nanoserve.cpu.moe import CpuFusedMoE
-from nanoserve.layers import FusedMoE
-from nanoserve.quantization import quantize
+from nanoserve.tools.bench import cpu_description
 
 HIDDEN, EXPERTS, TOP_K, INTERMEDIATE = 576, 16, 4, 384
 TOKENS = (1, 8, 64)
-
-
-def cpu_model_name() -> str:
-    lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name")), "?")
-
-
-def random_moe(dtype: torch.dtype, quantization=None) -> FusedMoE:
-    """The layer in `dtype`; with `quantization`, its weights quantized per output channel."""
-    op = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, renormalize=True, quantization=quantization)
-    g = torch.Generator().manual_seed(0)
-    for name, (rows, cols) in (("w13", (2 * INTERMEDIATE, HIDDEN)), ("w2", (HIDDEN, INTERMEDIATE))):
-        weight = torch.randn(EXPERTS, rows, cols, generator=g) * cols**-0.5
-        if quantization is None:
-            getattr(op, f"{name}_weight").data = weight.to(dtype)
-        else:
-            q, scale = quantize(weight.reshape(-1, cols), quantization)
-            getattr(op, f"{name}_weight").data = q.view(EXPERTS, rows, cols)
-            setattr(op, f"{name}_weight_scale", scale.view(EXPERTS, rows))
-    return op
 
 
 def best_seconds(forms: dict, args: tuple, repeats: int) -> dict[str, float]:
@@ -66,11 +46,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     repeats = parser.parse_args().repeats
-    print(f"CPU: {cpu_model_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"CPU: {cpu_description()}; {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"FusedMoE hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, intermediate {INTERMEDIATE}")
     for label, dtype, quantization in (("float32", torch.float32, None), ("bf16", torch.bfloat16, None),
                                        ("int8 (bf16)", torch.bfloat16, "int8")):
-        reference = random_moe(dtype, quantization)
+        reference = random_moe(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, dtype, quantization)
         ours, paths = copy.deepcopy(reference), {}
         form = CpuFusedMoE(ours, dtype, Config(), paths)
         print(f"\n{label}: paths {paths}")

@@ -15,10 +15,10 @@ Returns its one-line note for gpu_smoke's summary and raises where a check fails
 import functools
 
 import torch
-from gpu_graphs import free_cuda_memory, gpu_us  # (scripts/ is on sys.path)
+import moe_kit  # (scripts/ is on sys.path)
+from gpu_graphs import free_cuda_memory, gpu_us
 
 from nanoserve.layers import FusedMoE
-from nanoserve.quantization import quantize
 
 QWEN3_30B_A3B = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
 TOKENS = (1, 64, 512)
@@ -27,21 +27,9 @@ TOKENS = (1, 64, 512)
 TOL = {"bfloat16": 2e-2, "float32": 1e-4, "int8": 2e-2, "fp8": 2e-2}
 
 
-def random_moe(dtype: torch.dtype, quantization=None, device="cuda", shape=QWEN3_30B_A3B) -> FusedMoE:
-    """The layer with weights ~ N(0, 1 / fan_in), quantized per output channel if asked."""
-    op = FusedMoE(shape["num_experts"], shape["top_k"], shape["hidden_size"], shape["intermediate_size"],
-                  renormalize=True, quantization=quantization).to(device)
-    g = torch.Generator(device=device).manual_seed(0)
-    experts, hidden, inter = shape["num_experts"], shape["hidden_size"], shape["intermediate_size"]
-    for name, (rows, cols) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-        weight = torch.randn(experts * rows, cols, generator=g, device=device) * cols**-0.5
-        if quantization is None:
-            getattr(op, f"{name}_weight").data = weight.to(dtype).view(experts, rows, cols)
-        else:
-            q, scale = quantize(weight, quantization)
-            getattr(op, f"{name}_weight").data = q.view(experts, rows, cols)
-            setattr(op, f"{name}_weight_scale", scale.view(experts, rows))
-    return op
+def random_moe(dtype: torch.dtype, quantization=None) -> FusedMoE:
+    """Qwen3-30B-A3B's layer with random weights on the GPU (moe_kit.py)."""
+    return moe_kit.random_moe(**QWEN3_30B_A3B, dtype=dtype, quantization=quantization, device="cuda")
 
 
 def bound(op: FusedMoE):

@@ -15,6 +15,8 @@ experts (expert_ids) in an order of its own, where the pairs routed elsewhere co
 import copy
 import functools
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must happen before triton is imported
 
@@ -26,7 +28,9 @@ from nanoserve.config import Config  # noqa: E402
 from nanoserve.cpu import kernels as cpu_kernels  # noqa: E402
 from nanoserve.cpu.moe import CpuFusedMoE  # noqa: E402
 from nanoserve.layers import FusedMoE, Linear  # noqa: E402
-from nanoserve.quantization import quantize  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import moe_kit  # noqa: E402
 
 HIDDEN, INTERMEDIATE, EXPERTS = 32, 24, 8    # 2 * 24 = 48 rows of w13: not a power of two
 # name: (top_k, expert_ids (None: all 8), tokens, logits added to the random ones to steer routing)
@@ -42,19 +46,9 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 
 def random_moe(top_k, expert_ids, dtype, quantization=None, seed=0, hidden=HIDDEN) -> FusedMoE:
-    """A FusedMoE with random weights ~ N(0, 1 / fan_in): outputs of order 1."""
-    op = FusedMoE(EXPERTS, top_k, hidden, INTERMEDIATE, renormalize=top_k > 1, expert_ids=expert_ids,
-                  quantization=quantization)
-    g, local = torch.Generator().manual_seed(seed), len(op.expert_ids)
-    for name, (rows, cols) in (("w13", (2 * INTERMEDIATE, hidden)), ("w2", (hidden, INTERMEDIATE))):
-        weight = torch.randn(local, rows, cols, generator=g) * cols**-0.5
-        if quantization is None:
-            getattr(op, f"{name}_weight").data = weight.to(dtype)
-        else:
-            q, scale = quantize(weight.reshape(-1, cols), quantization)
-            getattr(op, f"{name}_weight").data = q.view(local, rows, cols)
-            setattr(op, f"{name}_weight_scale", scale.view(local, rows))
-    return op
+    """A FusedMoE of this file's shape with random weights (scripts/moe_kit.py)."""
+    return moe_kit.random_moe(EXPERTS, top_k, hidden, INTERMEDIATE, dtype, quantization,
+                              expert_ids, renormalize=top_k > 1, seed=seed)
 
 
 def inputs(tokens, steer, dtype, seed=1):
