@@ -188,8 +188,8 @@ def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tok
       - its own KV cache for n tokens (block-rounded);
       - the widest point of one layer, the MLP: the residual and its normed copy [n, hidden],
         gate_up [n, 2 x intermediate], silu(gate) and the product [n, intermediate] each (the
-        rank's share of intermediate_size; a mixture of experts' block is no wider, as its torch
-        reference runs one expert's rows at a time);
+        rank's share; a mixture of experts sized alike: short where its fused forms' k rows a
+        token of the experts' width are wider, as Mixtral's 2 x 14336);
       - the logits of max_num_seqs rows (the rank's share of the vocabulary), in the model dtype
         and again in float32.
     The last two never coincide, so the sum errs on the safe (high) side. Attention adds only
