@@ -340,9 +340,9 @@ class _Rebuild:
     def on_expert_load(self, e: dict) -> None:
         """A mixture of experts' step: how many tokens each expert of each MoE layer received."""
         counts, earlier = e["counts"], next(iter(self.trace.expert_load.values()), None)
-        if not all(isinstance(layer, list) and all(isinstance(n, int) and n >= 0 for n in layer)
-                   for layer in counts):
-            raise ValueError("expert_load counts must be lists (a layer) of token counts >= 0")
+        if not counts or not all(isinstance(layer, list) and layer and all(
+                isinstance(n, int) and n >= 0 for n in layer) for layer in counts):
+            raise ValueError("expert_load counts must be non-empty lists (a layer) of token counts >= 0")
         if earlier is not None and [len(x) for x in counts] != [len(x) for x in earlier]:
             raise ValueError("expert_load counts change shape (layers x experts) between steps")
         self.trace.expert_load[self.step] = counts

@@ -265,3 +265,7 @@ def test_expert_load_summary_and_figure(hand_trace, tmp_path):
     path.write_text("\n".join(bad) + "\n")
     with pytest.raises(ValueError, match="counts change shape"):
         Trace.load(str(path))
+    for empty in ("[]", "[[], []]"):     # nothing to summarise: named, not an IndexError later
+        path.write_text("\n".join(line.replace("[[1, 1, 1, 1], [1, 1, 2, 0]]", empty) for line in out) + "\n")
+        with pytest.raises(ValueError, match="non-empty lists"):
+            Trace.load(str(path))
