@@ -217,8 +217,8 @@ def _add_trace(sub) -> None:
 def _add_memory(sub) -> None:
     mem = sub.add_parser("memory", help="Do the weights and the KV cache fit? Sizes the KV pool "
                          "with the engine's own code: blocks, tokens, sequences, a verdict.")
-    mem.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                     help="A checkpoint directory or its config.json (default: built-in).")
+    mem.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="A checkpoint directory, its "
+                     "config.json or a Hugging Face id (config.json only is fetched); default: built-in.")
     mem.add_argument("--device-memory-gb", type=float, help="GPU memory in GiB (default: the "
                      "detected GPU; with none, the engine's CPU rule).")
     mem.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype), float32, "

@@ -1,6 +1,7 @@
 """compare_vllm.py: nanoserve and vLLM's CPU build on the same workload, side by side.
 
     python scripts/compare_vllm.py --vllm-python ~/vllm-venv/bin/python --dtype bfloat16
+    python scripts/compare_vllm.py --vllm-python ~/vllm-venv/bin/python --moe   # a Qwen3-MoE of that width
 
 It installs nothing. vLLM lives in its own virtualenv, because it pins its own packages:
 
