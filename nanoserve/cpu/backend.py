@@ -50,6 +50,7 @@ def bind(model, config: Config) -> Optional[Backend]:
     if cpu_kernels.load() is None:
         return None
     keep_freed_memory()
+    dtype = model_dtype(model)    # the activations'
     gemms, gemm_paths = choose_cpu_gemms(model, config)
     for module in model.modules():
         if isinstance(module, Linear):
@@ -63,9 +64,8 @@ def bind(model, config: Config) -> Optional[Backend]:
         elif isinstance(module, Attention):
             module.impl = functools.partial(attention, module)
         elif isinstance(module, FusedMoE):
-            module.impl = CpuFusedMoE(module, model_dtype(model), config, gemm_paths).forward
-    capturable = (config.tensor_parallel_size == 1
-                  and model_dtype(model) in (torch.float32, torch.bfloat16))
+            module.impl = CpuFusedMoE(module, dtype, config, gemm_paths).forward
+    capturable = config.tensor_parallel_size == 1 and dtype in (torch.float32, torch.bfloat16)
     sizes = config.cudagraph_capture_sizes if capturable else []
     # A request verifying k drafts is k + 1 decodes (vLLM's reorder_batch_threshold): cpu/ops.py
     spec = config.speculative_config
