@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from nanoserve.config import DEFAULT_MODEL
-from nanoserve.models import get_head_size, get_num_kv_heads, get_num_layers
+from nanoserve.models import get_head_size, get_moe_shape, get_num_kv_heads, get_num_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_CACHE_GB = 1.0     # the CPU default: room for ~45k tokens of nanoserve-tiny, fits a laptop
@@ -181,22 +181,35 @@ def max_useful_kv_blocks(max_num_seqs: int, max_model_len: int, block_size: int)
 
 
 def estimate_activation_bytes(hf_config, dtype: torch.dtype, max_num_batched_tokens: int,
-                              max_num_seqs: int, block_size: int, tensor_parallel_size: int = 1) -> int:
+                              max_num_seqs: int, block_size: int, tensor_parallel_size: int = 1,
+                              enable_expert_parallel: bool = False) -> int:
     """What `ModelRunner._profile_free_cuda_memory` would measure on one of
     `tensor_parallel_size` ranks, estimated where no GPU can run the profile (`nanoserve memory`).
     Its forward of n = max_num_batched_tokens tokens holds, at its peak, the sum of:
       - its own KV cache for n tokens (block-rounded);
       - the widest point of one layer, the MLP: the residual and its normed copy [n, hidden],
         gate_up [n, 2 x intermediate], silu(gate) and the product [n, intermediate] each (the
-        rank's share; a mixture of experts sized alike: short where its fused forms' k rows a
-        token of the experts' width are wider, as Mixtral's 2 x 14336);
+        rank's share); a mixture of experts' block (if wider) holds the router's logits [n,
+        experts] (and in float32) and the output [n, hidden], and for each of the n x top_k
+        (token, expert) pairs its gathered row, gate_up, silu·mul, output and weighted copy: an
+        expert's whole width under expert parallel (all pairs may land on one rank's experts);
       - the logits of max_num_seqs rows (the rank's share of the vocabulary), in the model dtype
         and again in float32.
     The last two never coincide, so the sum errs on the safe (high) side. Attention adds only
-    its [n, q_size] output: the paged kernels never build an n x n score matrix."""
+    its [n, q_size] output: the paged kernels never build an n x n score matrix.
+
+    Qwen3-30B-A3B (hidden 2048, intermediate 6144; 128 experts, top-8 of width 768), per token in
+    bf16 values: the dense MLP's 2 x 2048 + 4 x 6144 = 28,672 against the block's (3 x 2048 + 128)
+    + 4 x 128 / 2 + 8 x (3 x 2048 + 3 x 768) = 74,112."""
     n, item, tp = max_num_batched_tokens, dtype.itemsize, tensor_parallel_size
+    hidden = hf_config.hidden_size
     profile_kv = -(-n // block_size) * block_size * kv_cache_bytes_per_token(hf_config, dtype, tp)
-    mlp = n * (2 * hf_config.hidden_size + 4 * (hf_config.intermediate_size // tp)) * item
+    mlp = n * (2 * hidden + 4 * (hf_config.intermediate_size // tp)) * item
+    if moe := get_moe_shape(hf_config):
+        experts, top_k, width = moe
+        width = width if enable_expert_parallel else width // tp
+        pairs = top_k * (3 * hidden + 3 * width) * item
+        mlp = max(mlp, n * ((3 * hidden + experts) * item + 4 * experts + pairs))
     logits = min(n, max_num_seqs) * -(-hf_config.vocab_size // tp) * (item + 4)
     return profile_kv + mlp + logits
 

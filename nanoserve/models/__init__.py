@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from nanoserve.distributed import TensorParallel
-from nanoserve.models.geometry import (get_head_size, get_num_attention_heads, get_num_kv_heads,
-                                       get_num_layers, get_total_num_kv_heads)
+from nanoserve.models.geometry import (get_head_size, get_moe_shape, get_num_attention_heads,
+                                       get_num_kv_heads, get_num_layers, get_total_num_kv_heads)
 from nanoserve.models.llama import LlamaForCausalLM
 from nanoserve.models.mixture_of_experts import MixtralForCausalLM, Qwen3MoeForCausalLM
 
@@ -55,6 +55,6 @@ def verify_with_parallel_config(hf_config, tensor_parallel_size: int,
 
 
 __all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",
-           "get_head_size", "get_model_class",
+           "get_head_size", "get_model_class", "get_moe_shape",
            "get_num_attention_heads", "get_num_kv_heads", "get_num_layers",
            "get_total_num_kv_heads", "verify_with_parallel_config"]

@@ -17,6 +17,8 @@ family's own check, made where it builds a rank's modules (models/__init__.py
 
 from __future__ import annotations
 
+from typing import Optional
+
 
 def get_head_size(hf_config) -> int:
     """Each attention head's width. Qwen3 sets head_dim explicitly (and num_heads * head_dim may
@@ -44,3 +46,14 @@ def get_num_kv_heads(hf_config, tensor_parallel_size: int = 1) -> int:
 def get_num_layers(hf_config) -> int:
     """Decoder layers, each with a K and a V cache of its own."""
     return hf_config.num_hidden_layers
+
+
+def get_moe_shape(hf_config) -> Optional[tuple[int, int, int]]:
+    """A mixture of experts' (experts, experts a token, each expert's intermediate size); None
+    for a dense model. Qwen3-MoE names them num_experts and moe_intermediate_size, Mixtral
+    num_local_experts and intermediate_size; both num_experts_per_tok."""
+    experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if not experts:
+        return None
+    width = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    return experts, hf_config.num_experts_per_tok, width

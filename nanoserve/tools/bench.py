@@ -67,13 +67,12 @@ def layer_weights(hf_config) -> int:
     """Weights a token multiplies by in one decoder layer: the q, k, v and o projections and the
     MLP's three; in a mixture of experts, the router's and its top-k experts' three each (every
     layer counted sparse: Qwen3-MoE's few dense mlp_only_layers are not told apart)."""
-    from nanoserve.models import get_head_size, get_total_num_kv_heads
+    from nanoserve.models import get_head_size, get_moe_shape, get_total_num_kv_heads
     h, heads, head_dim = hf_config.hidden_size, hf_config.num_attention_heads, get_head_size(hf_config)
     kv = get_total_num_kv_heads(hf_config) * head_dim
     mlp = 3 * h * hf_config.intermediate_size
-    if top_k := getattr(hf_config, "num_experts_per_tok", None):
-        experts = getattr(hf_config, "num_experts", None) or hf_config.num_local_experts
-        width = getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size
+    if moe := get_moe_shape(hf_config):
+        experts, top_k, width = moe
         mlp = h * experts + top_k * 3 * h * width
     return h * (heads * head_dim + 2 * kv) + heads * head_dim * h + mlp
 

@@ -225,7 +225,7 @@ def memory_report(model: str = DEFAULT_MODEL, *, device_memory_gb: Optional[floa
         activation_bytes, activation_from = activation_reserve_gb * GiB, "given"
     elif device_bytes is not None:
         activation_bytes = estimate_activation_bytes(hf_config, model_dtype, max_num_batched_tokens,
-                                                     max_num_seqs, block_size, tp)
+                                                     max_num_seqs, block_size, tp, enable_expert_parallel)
         activation_from = f"estimated profile: a forward of {max_num_batched_tokens} tokens"
     if kv_cache_memory_gb is not None or device_bytes is None:
         kv_budget, cap = (kv_cache_memory_gb or CPU_KV_CACHE_GB) * GiB, math.inf
