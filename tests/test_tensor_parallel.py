@@ -106,6 +106,23 @@ def test_tp_size_the_heads_cannot_split_is_a_clear_error(tmp_path):
         LLM(str(tmp_path), tensor_parallel_size=3)
 
 
+def test_an_mlp_the_ranks_cannot_split_is_a_clear_error_and_experts_whole_need_not_split():
+    """The dense MLP's intermediate size must split tp ways; Mixtral has no dense MLP, so under
+    expert parallel (whole experts) an intermediate size that tp does not divide is no obstacle."""
+    from transformers import LlamaConfig, MixtralConfig
+    from nanoserve.models import verify_with_parallel_config
+    shape = dict(hidden_size=64, intermediate_size=99, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=2, vocab_size=128)
+    llama = LlamaConfig(**shape, architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 must divide intermediate_size \(99\)"):
+        verify_with_parallel_config(llama, 2, False)
+    mixtral = MixtralConfig(**shape, num_local_experts=4, num_experts_per_tok=2,
+                             architectures=["MixtralForCausalLM"])
+    with pytest.raises(ValueError, match="must divide the experts' intermediate size"):
+        verify_with_parallel_config(mixtral, 2, False)
+    verify_with_parallel_config(mixtral, 2, True)      # 2 whole experts a rank
+
+
 def test_killed_worker_is_an_error_not_a_hang(tmp_path):
     build_checkpoint(tmp_path, "llama")
     llm = LLM(str(tmp_path), block_size=16, num_kv_blocks=64, tensor_parallel_size=2)

@@ -58,15 +58,14 @@ def shard_for_tp(hf_config, tp: int):
     heads (never below one: with tp > kv_heads each rank keeps a replica), the MLP's
     intermediate size and the vocabulary (rounded up: the last rank's slice is padded) split tp
     ways. Each rank builds its modules from it; the engine reads the same per-rank figures from
-    geometry.py."""
+    geometry.py. (Whether the MLP splits is make_mlp's check: Mixtral has no dense MLP.)"""
     if tp == 1:
         return hf_config
     heads = hf_config.num_attention_heads
     kv_heads = get_total_num_kv_heads(hf_config)
-    if heads % tp or (kv_heads % tp and tp % kv_heads) or hf_config.intermediate_size % tp:
-        raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads ({heads}) "
-                         f"and intermediate_size ({hf_config.intermediate_size}), and divide, or "
-                         f"be a multiple of, num_key_value_heads ({kv_heads})")
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads ({heads}), "
+                         f"and divide, or be a multiple of, num_key_value_heads ({kv_heads})")
     shard = copy.deepcopy(hf_config)
     shard.head_dim = get_head_size(hf_config)  # explicit: hidden_size / heads no longer gives it
     shard.num_attention_heads = get_num_attention_heads(hf_config, tp)
@@ -250,6 +249,9 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, layer_index: int, quantization: Optional[str]) -> nn.Module:
         """Layer `layer_index`'s MLP: SwiGLU in every layer of this family (a mixture-of-experts
         family gives its sparse layers a router and experts: mixture_of_experts.py)."""
+        if self.config.intermediate_size % self.tp.size:
+            raise ValueError(f"tensor_parallel_size {self.tp.size} must divide intermediate_size "
+                             f"({self.config.intermediate_size})")
         return LlamaMLP(self.shard_config, self.tp, quantization)
 
     def forward(
