@@ -421,7 +421,7 @@ def test_workload_runs_the_learners_classes_and_compares_the_traces(tmp_path):
 # Issue 54: every lesson opens with what the reader will be able to do, names the files of one
 # vLLM release that do what its code does, and keeps its paragraphs short (asides go to notes).
 VLLM_RELEASE = "0.32.0"
-COUNTERPART = re.compile(rf"^vLLM counterpart \({re.escape(VLLM_RELEASE)}\): .*$", re.M)
+COUNTERPART = f"vLLM counterpart ({VLLM_RELEASE}): "
 VLLM_PATH = re.compile(r"`(vllm/[\w/.]+\.py)`")
 MAX_PARAGRAPH = 1200
 LIST_ITEM = re.compile(r"^\s*([-*]|\d+\.) ")
@@ -454,11 +454,16 @@ def test_lesson_opens_with_what_you_will_be_able_to_do(path):
     assert len(items) == 3, f"{path.name}: 'By the end you can' has {len(items)} lines, not 3"
 
 
+def counterparts(path: Path) -> list[str]:
+    """The paragraphs that open with 'vLLM counterpart (RELEASE): ' (a lesson has one)."""
+    return [text for _, text in paragraphs(path.read_text()) if text.startswith(COUNTERPART)]
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
 def test_lesson_names_its_vllm_counterpart(path):
-    lines = COUNTERPART.findall(path.read_text())
-    assert len(lines) == 1, f"{path.name}: no line 'vLLM counterpart ({VLLM_RELEASE}): ...'"
-    assert VLLM_PATH.search(lines[0]), f"{path.name}: the counterpart line names no vllm/ file"
+    found = counterparts(path)
+    assert len(found) == 1, f"{path.name}: no paragraph '{COUNTERPART}...' (or more than one)"
+    assert VLLM_PATH.search(found[0]), f"{path.name}: its vLLM counterpart names no vllm/ file"
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "lessons").glob("*.md")), ids=lambda p: p.name)
@@ -482,6 +487,6 @@ def test_vllm_counterpart_files_exist_in_that_release():
     if site is None:
         pytest.skip(f"vLLM {VLLM_RELEASE} is not installed in ~/vllm-venv (README: compare_vllm)")
     cited = {p for path in sorted((ROOT / "lessons").glob("*.md"))
-             for line in COUNTERPART.findall(path.read_text()) for p in VLLM_PATH.findall(line)}
+             for text in counterparts(path) for p in VLLM_PATH.findall(text)}
     missing = sorted(p for p in cited if not (site / p).is_file())
     assert cited and not missing, f"not in vLLM {VLLM_RELEASE}: {missing}"
