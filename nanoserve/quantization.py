@@ -1,12 +1,12 @@
-"""quantization.py: weight-only quantization at load (`--quantization int8|fp8`, vLLM's flag).
+"""quantization.py: weight-only quantization at load (`--quantization int8|fp8`, nanoserve's).
 
-vLLM fixes one config before anything loads, so that sharding AND quantization happen while the
-weights are read: a model too big for one device in bf16 is never whole in memory, neither split
-nor in full precision. Here the same: the model is built with int8 (or fp8) Linear weights, and
-each tensor-parallel rank quantizes its slice of each checkpoint tensor as it reads it
-(models/llama.py `load_weights`), one tensor at a time. Every Linear but the LM head (kept in the
-model dtype, as vLLM does by default; `--quantize-lm-head` quantizes it too, as llama.cpp's
-quantized models have it) and the embedding (a lookup, not a product) is quantized.
+vLLM 0.32.0 has no int8 for dense Linears; its fp8 at load (fp8_per_tensor, fp8_per_channel) also
+quantizes activations, and gathers each layer in full precision before quantizing it. Here the
+config is fixed before anything loads, the model is built with int8 (or fp8) Linear weights, and
+each tensor-parallel rank quantizes its slice of each checkpoint tensor as it reads it (models/
+llama.py `load_weights`): one tensor, never a layer, in full precision. Every Linear but the LM
+head (kept in the model dtype, as vLLM does by default; `--quantize-lm-head` quantizes it too, as
+llama.cpp's quantized models have it) and the embedding (a lookup, not a product) is quantized.
 
 One symmetric scale per output channel (row of W), so that w ~ q * scale[row]:
 
@@ -17,11 +17,11 @@ One symmetric scale per output channel (row of W), so that w ~ q * scale[row]:
     >>> q.tolist(), [round(s * 127, 4) for s in scale.tolist()]
     ([[127, -64], [0, 127]], [1.0, 0.25])
 
-Activations are not quantized: the torch reference (layers.Linear.forward_native) dequantizes
-and multiplies in the model dtype; the backends multiply faster (cpu/gemm.py: gemm.c widens int8
-in its registers, and multiplies bf16 rows as int16 scaled by a power of two, exact for every
-value within 2^7 of its row's largest; cuda/quantized.py: torch._scaled_mm on a GPU with fp8). Under TP a row-parallel rank's
-scale is that of its own columns: it never reads the others.
+Activations stay in the model dtype but in the GPU's fp8 product: the torch reference
+(layers.Linear.forward_native) dequantizes and multiplies in the model dtype; the backends are
+faster (cpu/gemm.py: gemm.c widens int8 in its registers, multiplies bf16 rows as int16 scaled by
+a power of two, exact within 2^7 of a row's largest; cuda/quantized.py: torch._scaled_mm, a step's
+rows quantized to fp8 per token). Under TP a row-parallel rank's scale is that of its own columns.
 
     pytest -q tests/test_quantization.py
 

@@ -416,3 +416,77 @@ def test_workload_runs_the_learners_classes_and_compares_the_traces(tmp_path):
     assert rows["prefix cache hit rate"] == ["14.5% of prompt tokens", "10.9% of prompt tokens"]
     code, out, _ = assets.run(f"{storm} --scheduler lessons/workload.py:NoSuchScheduler")
     assert code != 0 and "--scheduler: lessons/workload.py defines no NoSuchScheduler" in out
+
+
+# Issue 54: every lesson opens with what the reader will be able to do, names the files of one
+# vLLM release that do what its code does, and keeps its paragraphs short (asides go to notes).
+VLLM_RELEASE = "0.32.0"
+COUNTERPART = f"vLLM counterpart ({VLLM_RELEASE}): "
+VLLM_PATH = re.compile(r"`(vllm/[\w/.]+\.py)`")
+MAX_PARAGRAPH = 1200
+LIST_ITEM = re.compile(r"^\s*([-*]|\d+\.) ")
+
+
+def paragraphs(text: str) -> list[tuple[int, str]]:
+    """(first line, text) of each paragraph outside code blocks, tables, headings and comments;
+    a list item is a paragraph of its own."""
+    found, current, fenced = [], [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        skip = fenced or line.startswith(("```", "#", "|", "<!--")) or not line.strip()
+        if current and (skip or LIST_ITEM.match(line)):
+            found.append((current[0][0], " ".join(part.strip() for _, part in current)))
+            current = []
+        if not skip:
+            current.append((number, line))
+    if current:
+        found.append((current[0][0], " ".join(part.strip() for _, part in current)))
+    return found
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_lesson_opens_with_what_you_will_be_able_to_do(path):
+    opening = path.read_text().split("## The idea")[0]
+    assert "By the end you can" in opening, f"{path.name}: no 'By the end you can' opening"
+    after = opening.split("By the end you can", 1)[1].splitlines()[1:]
+    items = [line for line in after if LIST_ITEM.match(line)]
+    assert len(items) == 3, f"{path.name}: 'By the end you can' has {len(items)} lines, not 3"
+
+
+def counterparts(path: Path) -> list[str]:
+    """The paragraphs that open with 'vLLM counterpart (RELEASE): ' (a lesson has one)."""
+    return [text for _, text in paragraphs(path.read_text()) if text.startswith(COUNTERPART)]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
+def test_lesson_names_its_vllm_counterpart(path):
+    found = counterparts(path)
+    assert len(found) == 1, f"{path.name}: no paragraph '{COUNTERPART}...' (or more than one)"
+    assert VLLM_PATH.search(found[0]), f"{path.name}: its vLLM counterpart names no vllm/ file"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "lessons").glob("*.md")), ids=lambda p: p.name)
+def test_no_paragraph_over_1200_characters(path):
+    long = [(line, len(text)) for line, text in paragraphs(path.read_text())
+            if len(text) > MAX_PARAGRAPH]
+    assert not long, f"{path.name}: paragraphs over {MAX_PARAGRAPH} characters (line, length): {long}"
+
+
+def vllm_source() -> Path | None:
+    """vLLM's installed source at the release the lessons cite (README: ~/vllm-venv), if here."""
+    for site in sorted(Path.home().glob("vllm-venv/lib/python3*/site-packages")):
+        version = site / "vllm" / "_version.py"
+        if version.is_file() and f"'{VLLM_RELEASE}'" in version.read_text():
+            return site
+    return None
+
+
+def test_vllm_counterpart_files_exist_in_that_release():
+    site = vllm_source()
+    if site is None:
+        pytest.skip(f"vLLM {VLLM_RELEASE} is not installed in ~/vllm-venv (README: compare_vllm)")
+    cited = {p for path in sorted((ROOT / "lessons").glob("*.md"))
+             for text in counterparts(path) for p in VLLM_PATH.findall(text)}
+    missing = sorted(p for p in cited if not (site / p).is_file())
+    assert cited and not missing, f"not in vLLM {VLLM_RELEASE}: {missing}"

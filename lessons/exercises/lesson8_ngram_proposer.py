@@ -2,8 +2,10 @@
 
 Goal: `propose(token_ids, k, min_n, max_n)` returns the draft tokens for a sequence: find the
 longest n (min_n <= n <= max_n) for which the last n tokens occurred earlier in the sequence;
-among the earlier occurrences of that n-gram take the most recent one; return the (up to) k
-tokens that followed it. No earlier occurrence of even the last min_n tokens: return [].
+among the earlier occurrences of that n-gram take the most recent one (nanoserve's tie-break;
+vLLM's proposer takes the earliest, an equally valid choice, but the check wants nanoserve's);
+return the (up to) k tokens that followed it. No earlier occurrence of even the last min_n
+tokens: return [].
 
 Example, k 3, min_n 1, max_n 3: [8, 9, 1, 2, 3, 9, 4, 8, 9] ends with [8, 9], which occurred at
 the start, followed by [1, 2, 3] (the more recent [9] at position 5 is a shorter match).
