@@ -249,8 +249,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: Optional[int] = None   # as vLLM: one given sets the other; none: 5 and 5
     prompt_lookup_max: Optional[int] = None
-    # No drafts while more requests than this are running or waiting: a CPU, or a big batch,
-    # is compute-bound, and rejected drafts then cost real time (lesson 8).
+    # No drafts while more requests than this are in: a CPU, or a big batch, is compute-bound and
+    # rejected drafts cost real time (lesson 8). vLLM V0's key (V1: ..._per_batch_size ranges).
     disable_by_batch_size: Optional[int] = None
 
     @classmethod

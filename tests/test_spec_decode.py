@@ -371,7 +371,7 @@ def test_metrics_name_the_counters_as_vllm_does():
 
 
 def test_disable_by_batch_size_drafts_only_for_small_batches():
-    """vLLM's `disable_by_batch_size`: no drafts while more requests than it are in the engine."""
+    """`disable_by_batch_size` (vLLM V0's key): no drafts while more requests than it are in the engine."""
     num_drafts = []
     for limit, num_requests in ((2, 4), (4, 4)):
         sched = fake_engine.make_scheduler(speculative_config={**SPEC, "disable_by_batch_size": limit})
