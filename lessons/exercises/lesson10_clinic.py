@@ -1,6 +1,6 @@
 """Exercise 10.4: the prescriptions (lesson 10-clinic.md).
 
-Three patients came in with a `nanoserve serve` command each (the lesson's mysteries A, B and C).
+Three patients came in with a `nanoserve serve` command each (the lesson's patients A, B and C).
 For each one, write what the diagnosis rests on and what you prescribe:
 
 - evidence(mystery): the one number the diagnosis rests on, read off the lesson's runs:
