@@ -418,3 +418,25 @@ def test_workload_runs_the_learners_classes_and_compares_the_traces(tmp_path):
     assert rows["prefix cache hit rate"] == ["14.5% of prompt tokens", "10.9% of prompt tokens"]
     code, out, _ = assets.run(f"{storm} --scheduler lessons/workload.py:NoSuchScheduler")
     assert code != 0 and "--scheduler: lessons/workload.py defines no NoSuchScheduler" in out
+
+
+def test_clinic_figures_are_the_outputs():
+    """Lesson 10's diagnoses (in its answer key) quote the evidence its outputs show, and the
+    key's measured fixes are what its own commands print."""
+    outputs, _ = shown_outputs(next(p for p in LESSONS if p.name.startswith("10")))
+    key_path = next(p for p in ANSWERS if p.name.startswith("10"))
+    key = re.sub(r"\s+", " ", re.sub(r"```.*?```", "", key_path.read_text(), flags=re.S))
+    slow, step40, storm = outputs[0], outputs[1], outputs[2]
+    assert f"at step 135 of {report(slow, 'steps')[0]}" in key
+    assert "16 / 16  (prefill 15, decode 1)" in step40 and "15 of prefill, 1 of decode" in key
+    blocks = report(storm, "engine")[1]
+    computed, _, needed = report(storm, "tokens")
+    count, dropped = report(storm, "preemptions")
+    assert f"{blocks * 16:,} tokens, a maximum concurrency of {blocks / 32:.2f}" in key
+    assert f"{count} preemptions" in key and f"dropped {dropped} computed tokens" in key
+    assert f"{computed:,} tokens computed for {needed:,} needed, in " \
+           f"{report(storm, 'steps')[0]} steps" in key
+    fixes = [p.output for p in assets.parse(key_path.read_text().splitlines())][-1]
+    pool, seats = [int(s) for s in re.findall(r"^steps +(\d+):", fixes, re.M)]
+    assert f"the job runs in {pool} steps, half the storm's {report(storm, 'steps')[0]}" in key
+    assert f"{seats} steps, one more than the storm" in key and seats == report(storm, "steps")[0] + 1
