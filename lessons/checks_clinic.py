@@ -17,8 +17,8 @@ from check_kit import expect
 
 # Each patient's flags as they came in (lessons/10-clinic.md), and the workload of B and C:
 # (requests, prompt tokens, output tokens).
-FLAWED = {"A": dict(kv_cache_memory_gb=0.0005), "B": dict(max_num_batched_tokens=16),
-          "C": dict(kv_cache_memory_gb=0.002)}
+FLAWED = {"A": {"kv_cache_memory_gb": 0.0005}, "B": {"max_num_batched_tokens": 16},
+          "C": {"kv_cache_memory_gb": 0.002}}
 WORKLOAD = {"B": (8, 256, 16), "C": (16, 64, 64)}
 CONTEXT = 512       # what patient A needs: sequences of 512 tokens (the model's longest)
 
@@ -45,8 +45,10 @@ def run(flags: dict, workload: tuple[int, int, int]):
 
 
 def prescription(mod, mystery: str) -> dict:
+    """The patient's flags with the learner's changes over them."""
+    from nanoserve import Config
     flags = mod.prescribe(mystery)
-    names = {f.name for f in fields(__import__("nanoserve").Config)}
+    names = {f.name for f in fields(Config)}
     expect(isinstance(flags, dict) and flags, f"prescribe({mystery!r}) must return the flags to "
            f"change, as {{config field: new value}} (got {flags!r})")
     unknown = sorted(set(flags) - names)
