@@ -28,16 +28,18 @@ def run(flags: dict, workload: tuple[int, int, int]):
     from nanoserve import LLM, SamplingParams
     from nanoserve.trace import Trace
     n, prompt_len, max_tokens = workload
-    path = Path(tempfile.mkdtemp()) / "run.jsonl"
-    llm = LLM(**flags, trace=str(path))
-    vocab = llm.engine.executor.vocab_size
-    prompts = [{"prompt_token_ids": random.Random(i).choices(range(1, vocab), k=prompt_len)}
-               for i in range(n)]
-    llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), progress=False)
-    llm.engine.tracer.close()
-    del llm
-    gc.collect()        # each engine holds its KV pool (1 GiB by default on a CPU)
-    trace = Trace.load(str(path))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "run.jsonl"
+        llm = LLM(**flags, trace=str(path))
+        vocab = llm.engine.executor.vocab_size
+        prompts = [{"prompt_token_ids": random.Random(i).choices(range(1, vocab), k=prompt_len)}
+                   for i in range(n)]
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                     progress=False)
+        llm.engine.tracer.close()
+        del llm
+        gc.collect()        # each engine holds its KV pool (1 GiB by default on a CPU)
+        trace = Trace.load(str(path))
     steps = sum(1 for f in trace.frames.values() if f.schedule.get("scheduled"))
     preemptions = sum(len(r.preempt_steps) for r in trace.requests.values())
     last_first_token = max(r.token_steps[0] for r in trace.requests.values())
