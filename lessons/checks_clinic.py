@@ -24,7 +24,8 @@ CONTEXT = 512       # what patient A needs: sequences of 512 tokens (the model's
 
 
 def run(flags: dict, workload: tuple[int, int, int]):
-    """Run the workload with these flags; the trace of the run (nanoserve/trace.py's Trace)."""
+    """Run the workload with these flags, traced; from the trace (nanoserve/trace.py): (steps,
+    preemptions, the step at which the last request sampled its first token)."""
     from nanoserve import LLM, SamplingParams
     from nanoserve.trace import Trace
     n, prompt_len, max_tokens = workload
