@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # check_kit, checks_scheduler
+import checks_clinic as clinic  # noqa: E402
 import checks_engine as engine  # noqa: E402
 import checks_scheduler as scheduling  # noqa: E402
 from check_kit import LESSONS, expect, forbid, load  # noqa: E402
@@ -249,6 +250,7 @@ EXERCISES = {
     "8.3": Exercise("lesson8_ngram_proposer.py", "the n-gram proposer", check_ngram_proposer),
     "9.3": Exercise("lesson9_router.py", "the router of a mixture of experts",
                     engine.check_router),
+    "10.4": Exercise("lesson10_clinic.py", "the clinic's prescriptions", clinic.check_clinic),
 }
 
 

@@ -64,6 +64,11 @@ def _serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(**vars(config))
     for role, pid in engine.engine_core.processes:      # the process tree, for ps / kill / top
         print(f"nanoserve serve: {role}: pid {pid}", file=sys.stderr, flush=True)
+    s = engine.config      # resolved; the two numbers vLLM logs at start-up (lessons/10-clinic.md)
+    print(f"nanoserve serve: KV cache size: {s.num_kv_blocks * s.block_size:,} tokens "
+          f"({s.num_kv_blocks} blocks of {s.block_size}); maximum concurrency for "
+          f"{s.max_model_len:,} tokens per request: "
+          f"{s.num_kv_blocks / -(-s.max_model_len // s.block_size):.2f}x", file=sys.stderr)
     allowed_hosts = args.allowed_hosts or (LOOPBACK_HOSTS if is_loopback(args.host) else ["*"])
     app = build_app(engine, args.served_model_name or config.model, args.api_key, allowed_hosts,
                     args.allowed_origins)

@@ -1,6 +1,6 @@
 """make_lesson_assets.py: run every lesson command; write back its real output and its images.
 
-    python scripts/make_lesson_assets.py          # all nine lessons and their answers, a few minutes
+    python scripts/make_lesson_assets.py          # every lesson and its answers, a few minutes
     python scripts/make_lesson_assets.py 3 4      # lessons 03 and 04 (and their answers) only
 
 A lesson (lessons/NN-*.md) has two kinds of generated parts:

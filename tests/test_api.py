@@ -424,13 +424,16 @@ def test_serve_logs_its_processes_and_none_outlives_it(server, sig):
                              "--max-model-len", "256"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        roles = {}
+        roles, sizing = {}, []
         for line in proc.stderr:
             if m := re.match(r"nanoserve serve: (.+): pid (\d+)", line):
                 roles[m.group(1)] = int(m.group(2))
+            sizing += [line.strip()] if "KV cache size" in line else []
             if "Uvicorn running" in line or "Application startup complete" in line:
                 break
         assert roles.keys() == {"api server", "engine core 0"} and roles["api server"] == proc.pid
+        assert sizing == [("nanoserve serve: KV cache size: 256 tokens (16 blocks of 16); maximum "
+                           "concurrency for 256 tokens per request: 1.00x")]     # lesson 10
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
         tree = _descendants(proc.pid)
         assert roles["engine core 0"] in tree

@@ -30,7 +30,7 @@ checks = _load(ROOT / "lessons" / "checks.py")
 LESSONS = assets.lesson_files()
 PARTS = ("## The idea", "## Read the code", "## Run it", "## Exercises")
 CITATION = re.compile(r"`(nanoserve/[\w/]+\.py):([\w.]+)`")
-EXERCISE = re.compile(r"^### Exercise (\d)\.(\d) \((predict, then check|build)\)", re.M)
+EXERCISE = re.compile(r"^### Exercise (\d+)\.(\d) \((predict, then check|build)\)", re.M)
 # The layer files each lesson is about: their module docstrings point back to it.
 LAYERS = {"api.py": [1], "engine.py": [1], "engine_core.py": [1], "kv_cache.py": [2, 4, 5],
           "paged_attention.py": [2], "scheduler.py": [3, 4], "config.py": [6, 7], "model_runner.py": [6],
@@ -54,7 +54,8 @@ FIGURES.update({
 # Lesson 6's quantization section (issue 40): Llama-3-8B on 16 GiB in int8, one GPU and two.
 FIGURES["06"] += ["14.40 GiB", "8.47 GiB", "2,758", "7.48 GiB", "6,789", "4.23 GiB", "10,115"]
 COMMAND_LIMIT_S = 60        # "under a minute on a laptop CPU", each
-TOTAL_LIMIT_S = 370         # every command and image of all nine lessons together (lesson 9: ~15 s)
+TOTAL_LIMIT_S = 410         # every command and image of all ten lessons together (lesson 9: ~15 s,
+                            # lesson 10: ~35 s)
 seconds_per_lesson: dict[str, float] = {}
 
 
@@ -100,8 +101,9 @@ def defines(path: Path, dotted: str) -> bool:
     return True
 
 
-def test_nine_lessons_each_with_the_four_parts():
-    assert [p.name[:2] for p in LESSONS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
+def test_ten_lessons_each_with_the_four_parts():
+    assert [p.name[:2] for p in LESSONS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09",
+                                             "10"]
     for path in LESSONS:
         text = path.read_text()
         positions = [text.find(h) for h in PARTS]
@@ -171,7 +173,7 @@ def test_build_exercises_are_the_checked_ones():
              if kind == "build"}
     assert built == set(checks.EXERCISES)
     for eid in checks.EXERCISES:
-        lesson = next(p for p in LESSONS if p.name.startswith(f"0{eid[0]}"))
+        lesson = next(p for p in LESSONS if p.name.startswith(f"{eid.split('.')[0]:0>2}-"))
         assert f"nanoserve exercise check {eid}" in lesson.read_text(), eid
         assert checks.path_of(eid).is_file() and checks.path_of(eid, solution=True).is_file()
 
@@ -490,3 +492,25 @@ def test_vllm_counterpart_files_exist_in_that_release():
              for text in counterparts(path) for p in VLLM_PATH.findall(text)}
     missing = sorted(p for p in cited if not (site / p).is_file())
     assert cited and not missing, f"not in vLLM {VLLM_RELEASE}: {missing}"
+
+
+def test_clinic_figures_are_the_outputs():
+    """Lesson 10's diagnoses (in its answer key) quote the evidence its outputs show, and the
+    key's measured fixes are what its own commands print."""
+    outputs, _ = shown_outputs(next(p for p in LESSONS if p.name.startswith("10")))
+    key_path = next(p for p in ANSWERS if p.name.startswith("10"))
+    key = re.sub(r"\s+", " ", re.sub(r"```.*?```", "", key_path.read_text(), flags=re.S))
+    slow, step40, storm = outputs[0], outputs[1], outputs[2]
+    assert f"at step 135 of {report(slow, 'steps')[0]}" in key
+    assert "16 / 16  (prefill 15, decode 1)" in step40 and "15 of prefill, 1 of decode" in key
+    blocks = report(storm, "engine")[1]
+    computed, _, needed = report(storm, "tokens")
+    count, dropped = report(storm, "preemptions")
+    assert f"{blocks * 16:,} tokens, a maximum concurrency of {blocks / 32:.2f}" in key
+    assert f"{count} preemptions" in key and f"dropped {dropped} computed tokens" in key
+    assert f"{computed:,} tokens computed for {needed:,} needed, in " \
+           f"{report(storm, 'steps')[0]} steps" in key
+    fixes = [p.output for p in assets.parse(key_path.read_text().splitlines())][-1]
+    pool, seats = [int(s) for s in re.findall(r"^steps +(\d+):", fixes, re.M)]
+    assert f"the job runs in {pool} steps, half the storm's {report(storm, 'steps')[0]}" in key
+    assert f"{seats} steps, one more than the storm" in key and seats == report(storm, "steps")[0] + 1

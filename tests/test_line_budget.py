@@ -79,6 +79,9 @@ CORE_CAPABILITY_BUDGETS = {
     # experts' shape read once for every family (geometry.py's get_moe_shape, ~13). + 2: the
     # dense MLP's split checked where it is built (make_mlp), so Mixtral's whole experts need none.
     "mixture_of_experts": 453,
+    # issue 54: `nanoserve serve`'s start-up line with the KV pool in tokens and the maximum
+    # concurrency for max_model_len, the two numbers vLLM logs (the clinic, lessons/10).
+    "clinic_startup_line": 5,
 }
 CORE_BUDGET = 5000 + sum(CORE_CAPABILITY_BUDGETS.values())
 # ~1,730 lines of C, ~1,050 of Python (the ops, products, then a fused step); + 250 for issue 40's int8
