@@ -1,14 +1,18 @@
 """check_kit.py: what every lesson check uses: import a file by path, fail with a message,
-the model-free engine, and the real engine with HF transformers' greedy tokens as its oracle.
+make sure the learner's own code does the work (own_work), the model-free engine, and the real
+engine with HF transformers' greedy tokens as its oracle.
 (lessons/checks.py puts this folder on sys.path.)"""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import sys
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
+from types import CodeType
 
 LESSONS = Path(__file__).resolve().parent
 # The build-the-mechanism workload: four stories, 16 greedy tokens each, in a pool so small
@@ -50,6 +54,108 @@ def names_used(module) -> set[str]:
 def forbid(module, names: set[str], why: str) -> None:
     used = sorted(names & names_used(module))
     expect(not used, f"your file uses {', '.join(used)}: {why}")
+
+
+def code_of(fn) -> CodeType | None:
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    return getattr(fn, "__code__", None)
+
+
+def fingerprint(code: CodeType) -> tuple:
+    """What a copy of a function keeps wherever it is loaded from, whatever it is named."""
+    return code.co_code, code.co_names
+
+
+def functions_in(path: Path):
+    """The code of every function (def) in a file, classes' methods included."""
+    todo = [compile(path.read_text(), str(path), "exec")]
+    while todo:
+        consts = [c for c in todo.pop().co_consts if isinstance(c, CodeType)]
+        yield from (c for c in consts if not c.co_name.startswith("<"))
+        todo += consts
+
+
+def expect_defined(mod, names) -> None:
+    """Each of `names` (a function, or Class.method) is written in the learner's own file: not
+    inherited from nanoserve's class, not assigned from someone else's code."""
+    for dotted in names:
+        obj = mod
+        for part in dotted.split("."):
+            obj = getattr(obj, part, None)
+        code = code_of(obj)
+        whose = "missing" if obj is None else "not a function" if code is None else \
+            f"{Path(code.co_filename).name}'s"
+        expect(code is not None and code.co_filename == mod.__file__,
+               f"write {dotted} in your own file (yours is {whose})")
+
+
+@contextmanager
+def own_work(mod, names, forbidden=(), why="write it yourself", no_numpy=False):
+    """While the block runs, the learner's code does the work itself: `names` are defined in the
+    learner's file (expect_defined), and no frame runs a `forbidden` function (nanoserve's own
+    version of the mechanism) nor a function of the reference solution, however it was reached:
+    imported, looked up by a string, loaded again from a private copy (a copy runs the same
+    bytecode). `no_numpy`: numpy may not run either. The check's own oracle calls go in a
+    `with guard.paused():` block.
+
+        with own_work(mod, ["MyKVCacheManager.allocate_slots"], [KVCacheManager.allocate_slots]):
+            run_the_engine_with(mod.MyKVCacheManager)
+    """
+    expect_defined(mod, names)
+    banned = {fingerprint(code_of(f)): f"nanoserve's {f.__qualname__}" for f in forbidden}
+    solution = getattr(mod, "reference_solution", None)
+    if solution is not None and solution != Path(mod.__file__).resolve():
+        banned |= {fingerprint(c): f"the reference solution's {c.co_qualname}"
+                   for c in functions_in(solution)}
+    guard = Guard(banned, mod.__file__, no_numpy)
+    previous = sys.getprofile()
+    sys.setprofile(guard.hook)
+    try:
+        yield guard
+    finally:
+        sys.setprofile(previous)
+    expect(guard.seen is None, f"your code ran {guard.seen}: {why}")
+
+
+class Guard:
+    """own_work's profile hook: it remembers the first banned code that ran (an exception raised
+    in a profile hook would switch the hook off, and the learner's code could catch it)."""
+
+    def __init__(self, banned: dict, own_file: str, no_numpy: bool):
+        self.banned, self.own_file, self.no_numpy = banned, own_file, no_numpy
+        self.verdicts: dict[int, str | None] = {}
+        self.keep: list = []              # the codes judged stay alive, so their ids stay theirs
+        self.seen, self.pause = None, 0
+
+    def judge(self, code: CodeType) -> str | None:
+        if code.co_filename == self.own_file:
+            return None
+        if self.no_numpy and "/numpy/" in code.co_filename:
+            return f"numpy's {code.co_name}"
+        return self.banned.get(fingerprint(code))
+
+    def hook(self, frame, event, arg) -> None:
+        if self.pause or self.seen:
+            return
+        if event == "call":
+            code = frame.f_code
+            verdict = self.verdicts.get(id(code), 0)
+            if verdict == 0:
+                self.keep.append(code)
+                verdict = self.verdicts[id(code)] = self.judge(code)
+            self.seen = verdict
+        elif event == "c_call" and self.no_numpy:
+            name = getattr(arg, "__name__", "")
+            if name == "numpy" or type(getattr(arg, "__self__", None)).__module__.startswith("numpy"):
+                self.seen = f"numpy ({name})"
+
+    @contextmanager
+    def paused(self):
+        self.pause += 1
+        try:
+            yield
+        finally:
+            self.pause -= 1
 
 
 def small_llm(**overrides):

@@ -17,97 +17,101 @@ from __future__ import annotations
 
 import sys
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # check_kit, checks_scheduler
 import checks_engine as engine  # noqa: E402
 import checks_scheduler as scheduling  # noqa: E402
-from check_kit import LESSONS, expect, forbid, load  # noqa: E402
+from check_kit import LESSONS, expect, forbid, load, own_work  # noqa: E402
 
 
 # -- 1.3 the engine loop ---------------------------------------------------------------------
 def check_engine_loop(mod, say) -> None:
     from nanoserve import LLM, SamplingParams
+    from nanoserve.engine_core import run_busy_loop
+    loops = [LLM.generate, LLM.stream, LLM._run, LLM._steps, run_busy_loop]
     # Two seats for three prompts, and a pool so small that a running request is preempted:
-    # not every request gets a token in every step.
-    llm = LLM(block_size=4, num_kv_blocks=8, max_model_len=32, max_num_seqs=2)
-    prompts = [llm.tokenizer.encode(t) for t in
-               ("Once upon a time", "The cat sat on the mat", "Tom and Lily went to the park")]
-    got = mod.generate(llm.engine, prompts, 12)
-    expect(llm.engine.scheduler.num_preemptions_total > 0, "no preemption happened (check bug)")
-    pool = llm.engine.kv_cache_manager.pool
-    expect(not llm.engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks,
-           "after generate() the engine must be idle with every block free: return only once "
-           "every request has finished")
-    want = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), progress=False)]
-    expect(got == want, f"your tokens differ from LLM.generate's:\n  yours: {got}\n  LLM:   {want}")
-    say("3 prompts, 12 tokens each, 2 seats, preempted on the way: token for token the same as "
-        "LLM.generate; every block freed")
+    # not every request gets a token in every step. Blocks of 4 tokens, then of 16.
+    for block_size, num_blocks in ((4, 8), (16, 2)):
+        llm = LLM(block_size=block_size, num_kv_blocks=num_blocks, max_model_len=32,
+                  max_num_seqs=2)
+        prompts = [llm.tokenizer.encode(t) for t in
+                   ("Once upon a time", "The cat sat on the mat", "Tom and Lily went to the park")]
+        core, steps = llm.engine, []
+        step = core.step
+        core.step = lambda: steps.append(sys._getframe(1).f_code.co_filename) or step()
+        with own_work(mod, ["generate"], loops, "drive core.step() in your own loop"):
+            got = mod.generate(core, prompts, 12)
+        del core.step
+        expect(steps and set(steps) == {mod.__file__}, f"{len(steps)} steps, "
+               f"{steps.count(mod.__file__)} of them called by your own code: call core.step() "
+               "yourself, in your loop")
+        expect(core.scheduler.num_preemptions_total > 0, "no preemption happened (check bug)")
+        pool = core.kv_cache_manager.pool
+        expect(not core.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks,
+               "after generate() the engine must be idle with every block free: return only "
+               "once every request has finished")
+        want = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), progress=False)]
+        expect(got == want, f"block_size {block_size}: your tokens differ from LLM.generate's:"
+               f"\n  yours: {got}\n  LLM:   {want}")
+    say("3 prompts, 12 tokens each, 2 seats, blocks of 4 and of 16, preempted on the way: token "
+        "for token the same as LLM.generate, every step from your loop; every block freed")
 
 
 # -- 2.3 paged decode attention ------------------------------------------------------------------
-REFERENCE_ATTENTION = {"paged_attention_torch", "_gather_kv", "_attend_one", "paged_attention_cpu",
-                       "paged_attention_triton"}
+def reference_attention():
+    from nanoserve import paged_attention
+    from nanoserve.cpu import kernels
+    return [paged_attention.paged_attention_torch, paged_attention.attend_each,
+            paged_attention._gather_kv, paged_attention._attend_one, kernels.attention_kernel]
 
 
-@contextmanager
-def refused(module, names):
-    """While the learner's code runs, nanoserve's own attention answers with a failure."""
-    saved = {n: getattr(module, n) for n in names if hasattr(module, n)}
+def paged_case(gen, seq_len, block_size, heads, kv_heads, dim):
+    """Caches full of garbage (a correct read never looks past the request's seq_len slots), the
+    request's K/V stored through a shuffled block table, a query; and dense K/V to compare."""
+    import torch
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("your code called nanoserve's paged attention: read K and V "
-                             "through the block table yourself")
-    for name in saved:
-        setattr(module, name, refuse)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+    from nanoserve.paged_attention import store_kv_torch
+    num_blocks = 3 * -(-seq_len // block_size) + 2
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
+    v_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
+    table = torch.randperm(num_blocks, generator=gen)[:-(-seq_len // block_size)].tolist()
+    k, v = (torch.randn(seq_len, kv_heads, dim, generator=gen) for _ in range(2))
+    pos = torch.arange(seq_len)
+    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+    store_kv_torch(k, v, k_cache, v_cache, slots)
+    return k_cache, v_cache, table, k, v, torch.randn(heads, dim, generator=gen)
 
 
 def check_paged_decode(mod, say) -> None:
     import torch
-
-    from nanoserve import paged_attention
-    from nanoserve.paged_attention import AttentionMetadata, paged_attention_torch, store_kv_torch
-    forbid(mod, REFERENCE_ATTENTION, "read K and V through the block table yourself")
     gen = torch.Generator().manual_seed(0)
-    num_blocks, block_size, heads, kv_heads, dim = 16, 4, 4, 2, 8
-    for seq_len in (1, 4, 5, 13):
-        # Garbage everywhere: a correct read never looks past the request's own seq_len slots.
-        k_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
-        v_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
-        table = torch.randperm(num_blocks, generator=gen)[:-(-seq_len // block_size)].tolist()
-        k, v = (torch.randn(seq_len, kv_heads, dim, generator=gen) for _ in range(2))
-        pos = torch.arange(seq_len)
-        slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-        store_kv_torch(k, v, k_cache, v_cache, slots)
-        query = torch.randn(heads, dim, generator=gen)
-        with refused(paged_attention, REFERENCE_ATTENTION):
-            got = mod.paged_decode_attention(query, k_cache, v_cache, list(table), seq_len,
-                                             dim ** -0.5)
-        expect(tuple(got.shape) == (heads, dim), f"the output must be [num_heads, head_dim] = "
-               f"[{heads}, {dim}] (got {list(got.shape)})")
-        dense = torch.nn.functional.scaled_dot_product_attention(
-            query[:, None], k.transpose(0, 1).repeat_interleave(2, 0),
-            v.transpose(0, 1).repeat_interleave(2, 0))[:, 0]
-        meta = AttentionMetadata(slots[-1:], torch.tensor([table], dtype=torch.int32),
-                                 torch.tensor([seq_len], dtype=torch.int32),
-                                 torch.tensor([0, 1], dtype=torch.int32), 1)
-        paged = paged_attention_torch(query[None], k_cache, v_cache, meta, dim ** -0.5)[0]
-        expect(torch.allclose(dense, paged, atol=1e-5), "the oracles disagree (a bug in the check)")
-        expect(torch.allclose(got, dense, atol=1e-4),
-               f"seq_len {seq_len}, block_table {table}: your output differs from dense attention "
-               f"by {(got - dense).abs().max():.3g} (read only the first seq_len slots, in "
-               f"block-table order; each KV head serves {heads // kv_heads} query heads)")
-    say("seq_len 1, 4, 5, 13 over shuffled block tables, GQA 4:2: equal to dense SDPA and to "
-        "nanoserve's paged_attention_torch")
+    shapes = [(4, 4, 2, 8, 8 ** -0.5), (16, 8, 2, 16, 0.3), (16, 4, 4, 8, 1.0)]
+    for block_size, heads, kv_heads, dim, scale in shapes:
+        for seq_len in (1, block_size, block_size + 1, 3 * block_size + 1):
+            k_cache, v_cache, table, k, v, query = paged_case(gen, seq_len, block_size, heads,
+                                                             kv_heads, dim)
+            with own_work(mod, ["paged_decode_attention"], reference_attention(),
+                          "read K and V through the block table yourself"):
+                got = mod.paged_decode_attention(query, k_cache, v_cache, list(table), seq_len,
+                                                 scale)
+            expect(tuple(got.shape) == (heads, dim), f"the output must be [num_heads, head_dim] "
+                   f"= [{heads}, {dim}] (got {list(got.shape)})")
+            group = heads // kv_heads
+            dense = torch.nn.functional.scaled_dot_product_attention(
+                query[:, None], k.transpose(0, 1).repeat_interleave(group, 0),
+                v.transpose(0, 1).repeat_interleave(group, 0), scale=scale)[:, 0]
+            expect(torch.allclose(got, dense, atol=1e-4),
+                   f"block_size {block_size}, {heads} query heads over {kv_heads} KV heads, scale "
+                   f"{scale:.3g}, seq_len {seq_len}, block_table {table}: your output differs "
+                   f"from dense attention by {(got - dense).abs().max():.3g} (read only the "
+                   f"first seq_len slots, in block-table order; each KV head serves "
+                   f"{group} consecutive query heads; scale the scores by `scale`)")
+    say("blocks of 4 and 16, GQA 2:1, 4:1 and none, scales 8^-0.5, 0.3 and 1, seq_len from 1 to "
+        "3 blocks + 1 over shuffled block tables: equal to dense SDPA")
 
 
 # -- 6.3 KV sizing ------------------------------------------------------------------------------
@@ -265,7 +269,9 @@ def check(exercise_id: str, solution: bool = False, say=print, path: Path | None
     say(f"exercise {exercise_id}, {EXERCISES[exercise_id].title}: "
         f"{path.relative_to(LESSONS.parent) if LESSONS.parent in path.parents else path}")
     try:
-        EXERCISES[exercise_id].check(load(path), lambda line: say(f"  ok   {line}"))
+        mod = load(path)
+        mod.reference_solution = path_of(exercise_id, solution=True)    # (own_work bans it)
+        EXERCISES[exercise_id].check(mod, lambda line: say(f"  ok   {line}"))
     except NotImplementedError as e:
         say(f"  FAIL not implemented yet: {e}")
         return False

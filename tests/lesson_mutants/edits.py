@@ -29,6 +29,16 @@ EDITS = {
         "whole_last_block": (
             "attends over every slot of the request's blocks, the unfilled tail of the last included",
             [(".flatten(0, 1)[:seq_len]", ".flatten(0, 1)")]),
+        "group_of_two": (
+            "pairs query head h with KV head h // 2: right for 4 query heads over 2 KV heads, "
+            "wrong for any other grouping",
+            [("k = k.repeat_interleave(group, dim=1)",
+              "k = k[:, torch.arange(query.shape[0]) // 2 % k.shape[1]]"),
+             ("v = v.repeat_interleave(group, dim=1)",
+              "v = v[:, torch.arange(query.shape[0]) // 2 % v.shape[1]]")]),
+        "default_scale": (
+            "scales the scores by head_dim ** -0.5, not by the `scale` it is given",
+            [("* scale", "* query.shape[-1] ** -0.5")]),
     },
     "lesson3_shortest_job_first": {
         "prompt_only": ("a job's size taken as its prompt alone",
