@@ -118,6 +118,7 @@ def check_paged_decode(mod, say) -> None:
 def check_kv_sizing(mod, say) -> None:
     import json
     import tempfile
+    from dataclasses import replace
 
     from nanoserve.tools.memory import memory_report
     llama = LESSONS.parent / "examples" / "llama-3-8b-config.json"
@@ -136,23 +137,32 @@ def check_kv_sizing(mod, say) -> None:
              (folder / "no_kv_heads_field.json", dict(device_memory_gb=80))]
     for path, case in cases:
         r = memory_report(model=str(tiny.parent if path == tiny else path), **case)
-        got = mod.kv_bytes_per_token(json.loads(path.read_text()), r.kv_cache_dtype.itemsize,
-                                     r.tensor_parallel_size)
+        with own_work(mod, ["kv_bytes_per_token"], reference_sizing(), "compute it yourself"):
+            got = mod.kv_bytes_per_token(json.loads(path.read_text()), r.kv_cache_dtype.itemsize,
+                                         r.tensor_parallel_size)
         expect(got == r.kv_bytes_per_token, f"{path.name} {case}: kv_bytes_per_token {got}, "
                f"nanoserve memory says {r.kv_bytes_per_token} per GPU")
     say(f"bytes per token on one GPU agree with `nanoserve memory` on {len(cases)} setups "
         "(TP 2 and 16, fp8, an explicit head_dim, no num_key_value_heads)")
-    for seqs in (8, 12, 20):
-        r = memory_report(model=str(llama), device_memory_gb=24)
-        length = mod.max_model_len_for(r.num_blocks, r.block_size, seqs)
-        fits = memory_report(model=str(llama), device_memory_gb=24, max_model_len=length).num_seqs
-        more = memory_report(model=str(llama), device_memory_gb=24,
-                             max_model_len=length + r.block_size).num_seqs
-        expect(fits >= seqs > more, f"max_model_len_for(..., {seqs}) = {length}: at that length "
-               f"{fits} sequences fit, at {length + r.block_size} {more}; the answer is the "
-               f"largest length at which {seqs} fit")
-    say("max_model_len_for: the largest length at which 8, 12, 20 sequences of Llama-3-8B fit "
-        "on 24 GiB")
+    for block_size, seqs in ((16, 8), (16, 12), (32, 20), (8, 7)):
+        r = memory_report(model=str(llama), device_memory_gb=24, block_size=block_size)
+        with own_work(mod, ["max_model_len_for"], reference_sizing(), "compute it yourself"):
+            length = mod.max_model_len_for(r.num_blocks, r.block_size, seqs)
+        fits, more = (replace(r, max_model_len=n).num_seqs for n in (length, length + 1))
+        expect(fits >= seqs > more, f"max_model_len_for({r.num_blocks}, {block_size}, {seqs}) = "
+               f"{length}: at that length {fits} sequences fit, at {length + 1} {more}; the "
+               f"answer is the largest length at which {seqs} fit, a whole number of blocks")
+    say("max_model_len_for: the largest length at which 7 to 20 sequences of Llama-3-8B fit on "
+        "24 GiB, in blocks of 8, 16 and 32 tokens")
+
+
+def reference_sizing():
+    from nanoserve import model_loader
+    from nanoserve.models import geometry
+    from nanoserve.tools import memory
+    return [model_loader.kv_cache_bytes_per_token, geometry.get_num_kv_heads,
+            geometry.get_head_size, memory.memory_report,
+            memory.MemoryReport.num_seqs.fget, memory.MemoryReport.blocks_per_seq.fget]
 
 
 # -- 7.3 top-k without a sort -----------------------------------------------------------------

@@ -101,6 +101,13 @@ EDITS = {
         "tokens_not_blocks": (
             "shares the pool's tokens among the sequences, forgetting whole blocks",
             [("num_blocks // num_seqs * block_size", "num_blocks * block_size // num_seqs")]),
+        "one_token_short": (
+            "answers one token short of whole blocks: the sequences fit, but the length is not "
+            "the largest that does",
+            [("return num_blocks // num_seqs * block_size", "return num_blocks // num_seqs * block_size - 1")]),
+        "block_size_16": (
+            "counts every block as 16 tokens (nanoserve memory's default), whatever the block size",
+            [("num_blocks // num_seqs * block_size", "num_blocks // num_seqs * 16")]),
     },
     "lesson2_batch_indices": {
         "positions_from_zero": (
