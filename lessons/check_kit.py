@@ -128,11 +128,7 @@ class Guard:
         self.seen, self.pause = None, 0
 
     def judge(self, code: CodeType) -> str | None:
-        if code.co_filename == self.own_file:
-            return None
-        if self.no_numpy and "/numpy/" in code.co_filename:
-            return f"numpy's {code.co_name}"
-        return self.banned.get(fingerprint(code))
+        return None if code.co_filename == self.own_file else self.banned.get(fingerprint(code))
 
     def hook(self, frame, event, arg) -> None:
         if self.pause or self.seen:
@@ -143,11 +139,18 @@ class Guard:
             if verdict == 0:
                 self.keep.append(code)
                 verdict = self.verdicts[id(code)] = self.judge(code)
-            self.seen = verdict
+            self.seen = verdict or self.numpy(code, frame.f_back)
         elif event == "c_call" and self.no_numpy:
-            name = getattr(arg, "__name__", "")
-            if name == "numpy" or type(getattr(arg, "__self__", None)).__module__.startswith("numpy"):
-                self.seen = f"numpy ({name})"
+            self.seen = self.numpy(arg, frame)
+
+    def numpy(self, called, caller) -> str | None:
+        """numpy called by the learner's own code (torch may use it inside, that is not theirs)."""
+        if not self.no_numpy or caller is None or caller.f_code.co_filename != self.own_file:
+            return None
+        where = getattr(called, "co_filename", None) or getattr(called, "__module__", None) or \
+            type(getattr(called, "__self__", None)).__module__
+        name = getattr(called, "co_name", None) or getattr(called, "__name__", "")
+        return f"numpy ({name})" if "numpy" in (where or "") or name == "numpy" else None
 
     @contextmanager
     def paused(self):

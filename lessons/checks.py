@@ -170,18 +170,30 @@ SORTS = {"sort", "sorted", "argsort", "msort", "topk", "kthvalue", "quantile", "
          "median", "nanmedian", "unique", "mode"}
 
 
+def top_k_cases():
+    """(logits, top_k): rows full of ties, k from 1 to the vocabulary; then rows holding -inf
+    (what min_p, a grammar mask or min_tokens leave), k above and below the finite count."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    yield ((torch.randn(6, vocab, generator=gen) * 3).round(),
+           torch.tensor([1, 5, 50, vocab, 3, vocab - 1]))
+    vocab, inf = 4096, float("-inf")
+    logits = torch.randn(5, vocab, generator=gen) * 100
+    logits[0, ::2] = inf
+    logits[1, 10:] = inf
+    logits[2, 1:] = inf
+    logits[3, torch.randperm(vocab, generator=gen)[:4000]] = inf
+    yield logits, torch.tensor([3, 20, 1, 96, vocab])
+
+
 def check_top_k(mod, say) -> None:
     import ast
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from nanoserve.sampler import apply_top_k_top_p
-    gen = torch.Generator().manual_seed(0)
-    vocab = 1000
-    logits = (torch.randn(6, vocab, generator=gen) * 3).round()     # many ties
-    top_k = torch.tensor([1, 5, 50, vocab, 3, vocab - 1])
-    want = apply_top_k_top_p(logits.clone(), top_k, int(top_k[top_k < vocab].max()), None)
+    from nanoserve import sampler
     # A sort shows in the source (any spelling: torch.sort, a name imported early, Python's
     # sorted) or, at run time, as an aten op below torch's Python API (quantile, unique, ...).
     named = sorted({node.attr if isinstance(node, ast.Attribute) else node.id
@@ -190,22 +202,30 @@ def check_top_k(mod, say) -> None:
                     and (node.attr if isinstance(node, ast.Attribute) else node.id) in SORTS})
     expect(not named, f"your file uses {', '.join(named)}: find each row's cut-off by comparing "
            "and counting, without ordering a row")
-    ops: list[tuple[str, tuple]] = []
+    ops: list[str] = []
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append((func.overloadpacket.__name__, args))
+            ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
-    with Watch():
-        got = mod.top_k_mask(logits.clone(), top_k)
-    sorts = sorted({name for name, _ in ops if name.lstrip("_").split("_")[0] in SORTS})
-    expect(not sorts, f"your code ordered a row ({', '.join(sorts)}): find each row's cut-off "
-           "by comparing and counting")
-    expect(got.shape == want.shape and torch.equal(got, want),
-           f"rows {sorted(set(torch.nonzero(got != want)[:, 0].tolist()))} differ from nanoserve's "
-           "top-k: keep each row's k largest logits and every logit tied with the k-th, set the "
-           "rest to -inf; rows with top_k >= vocab keep everything")
-    say("6 rows with ties, top_k 1..vocab: equal to nanoserve's sampler, no row ordered")
+    for logits, top_k in top_k_cases():
+        vocab = logits.shape[1]
+        want = sampler.apply_top_k_top_p(logits.clone(), top_k, int(top_k[top_k < vocab].max()),
+                                         None)
+        with own_work(mod, ["top_k_mask"], [sampler.apply_top_k_top_p],
+                      "find each row's cut-off by comparing and counting", no_numpy=True), Watch():
+            got = mod.top_k_mask(logits.clone(), top_k)
+        sorts = sorted({name for name in ops if name.lstrip("_").split("_")[0] in SORTS})
+        expect(not sorts, f"your code ordered a row ({', '.join(sorts)}): find each row's "
+               "cut-off by comparing and counting")
+        rows = sorted(set(torch.nonzero(got != want)[:, 0].tolist())) if got.shape == want.shape \
+            else "all"
+        expect(got.shape == want.shape and torch.equal(got, want),
+               f"vocab {vocab}, top_k {top_k.tolist()}: rows {rows} differ from nanoserve's "
+               "top-k: keep each row's k largest logits and every logit tied with the k-th, set "
+               "the rest to -inf; rows with top_k >= vocab keep everything; a row may hold -inf")
+    say("6 rows with ties, top_k 1..vocab; 5 rows holding -inf, k above and below the finite "
+        "count: equal to nanoserve's sampler, no row ordered, no numpy")
 
 
 # -- 8.3 the n-gram proposer ------------------------------------------------------------------
