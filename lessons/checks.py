@@ -234,20 +234,21 @@ def check_ngram_proposer(mod, say) -> None:
 
     from nanoserve.spec_decode import NgramProposer
     rng = random.Random(0)
-    cases = 0
-    for vocab in (2, 3, 5, 20):
-        for _ in range(600):
-            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
-            k, low = rng.randint(1, 6), rng.randint(1, 3)
-            high = low + rng.randint(0, 3)
-            want = NgramProposer(k, low, high).propose(seq, max_drafts=k)
-            got = mod.propose(list(seq), k, low, high)
-            expect(list(got) == want, f"propose({seq}, k={k}, min_n={low}, max_n={high}) gave "
-                   f"{list(got)}, nanoserve proposes {want}: the k tokens after the longest "
-                   "(then most recent) earlier match of the last n tokens, min_n <= n <= max_n")
-            cases += 1
-    say(f"{cases} random sequences over vocabularies of 2 to 20 tokens: the same drafts as "
-        "nanoserve's NgramProposer")
+    cases = []
+    for vocab in (2, 3, 5, 20):          # sequences up to 160 tokens, n-grams up to 10
+        for _ in range(300):
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 160))]
+            k, low = rng.randint(1, 8), rng.randint(1, 4)
+            high = low + rng.randint(0, 6)
+            cases.append((seq, k, low, high, NgramProposer(k, low, high).propose(seq, k)))
+    with own_work(mod, ["propose"], [NgramProposer.propose], "find the match yourself"):
+        got = [list(mod.propose(list(seq), k, low, high)) for seq, k, low, high, _ in cases]
+    for (seq, k, low, high, want), mine in zip(cases, got):
+        expect(mine == want, f"propose({seq}, k={k}, min_n={low}, max_n={high}) gave {mine}, "
+               f"nanoserve proposes {want}: the k tokens after the longest (then most recent) "
+               "earlier match of the last n tokens, min_n <= n <= max_n")
+    say(f"{len(cases)} random sequences of up to 160 tokens over vocabularies of 2 to 20 tokens, "
+        "n-grams up to 10, k up to 8: the same drafts as nanoserve's NgramProposer")
 
 
 class Exercise(NamedTuple):

@@ -198,6 +198,13 @@ EDITS = {
         "suffix_matches_itself": (
             "lets the last n tokens match themselves, which proposes nothing useful",
             [("range(end - n - 1, -1, -1)", "range(end - n, -1, -1)")]),
+        "recent_window": (
+            "looks for the match only among the last 32 tokens: right on short sequences",
+            [("for start in range(end - n - 1, -1, -1):",
+              "for start in range(end - n - 1, max(-1, end - 33), -1):")]),
+        "n_capped_at_6": (
+            "never tries an n-gram longer than 6, whatever max_n says",
+            [("range(max_n, min_n - 1, -1)", "range(min(max_n, 6), min_n - 1, -1)")]),
     },
     "lesson9_router": {
         "always_renormalizes": (
