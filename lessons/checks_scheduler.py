@@ -11,8 +11,9 @@ under memory pressure as well: preemption is where scheduling code goes wrong.
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 
-from check_kit import expect, fake_engine
+from check_kit import expect, fake_engine, own_work
 
 
 # -- 3.3 shortest job first; 3.4 static batching ------------------------------------------------
@@ -70,19 +71,52 @@ def shortest_first(queue):
 
 
 def check_shortest_job_first(mod, say) -> None:
-    from nanoserve.scheduler import Scheduler
+    from nanoserve.scheduler import Scheduler, WaitingQueue
     fake = fake_engine()
-    # (id, prompt, max_tokens): job sizes 30, 9, 22, 5, 14, 40, 24, all waiting at step 1.
-    # Ordered by prompt, by max_tokens and by their sum, they give three different orders.
-    spec = [(f"r{i}", [i + 1] * p, m) for i, (p, m) in
+    methods = [f"ShortestJobFirstQueue.{m}" for m in
+               ("add", "peek", "pop", "remove", "__len__", "__iter__")]
+    with own_work(mod, methods, [WaitingQueue.add, WaitingQueue.peek, WaitingQueue.pop],
+                  "keep the waiting requests yourself") as guard:
+        sjf_one_seat(fake, mod, say, guard)
+        # Pools so small that requests are preempted and come back with add(front=True): every
+        # admission must still be the shortest job waiting. Blocks of 4 tokens, then of 16.
+        for block_size, num_blocks in ((4, 12), (16, 5)):
+            sched = scheduler_of(Scheduler, num_blocks=num_blocks, block_size=block_size)
+            sched.waiting = shortest_first(mod.ShortestJobFirstQueue())
+            run_checked(fake, sched, SJF_SPEC)
+            expect(sched.num_preemptions_total > 0, "the pool should have preempted (check bug)")
+        for block_size, num_blocks in ((4, 16), (16, 5)):
+            sjf_after_preemption(fake, mod, block_size, num_blocks)
+        say("blocks of 4 and 16, pools that preempt: every admission the shortest job waiting, "
+            "a preempted one included (its outputs are computed again: it is no shorter); "
+            "every token right")
+        sched = scheduler_of(Scheduler)
+        sched.waiting = mod.ShortestJobFirstQueue()
+        for s in SJF_SPEC:
+            sched.add_request(fake.make_request(*s))
+        sched.abort(["r2"])
+        expect(len(sched.waiting) == len(SJF_SPEC) - 1 and
+               all(r.request_id != "r2" for r in sched.waiting),
+               "an aborted waiting request must leave the queue (remove)")
+        say("abort removes a waiting request")
+
+
+# (id, prompt, max_tokens): job sizes 30, 9, 22, 5, 14, 40, 24, all waiting at step 1. Ordered
+# by prompt, by max_tokens and by their sum, they give three different orders.
+SJF_SPEC = [(f"r{i}", [i + 1] * p, m) for i, (p, m) in
             enumerate([(10, 20), (3, 6), (12, 10), (2, 3), (6, 8), (15, 25), (20, 4)])]
-    order = sorted(spec, key=lambda s: len(s[1]) + s[2])
+
+
+def sjf_one_seat(fake, mod, say, guard) -> None:
+    from nanoserve.scheduler import Scheduler
+    order = sorted(SJF_SPEC, key=lambda s: len(s[1]) + s[2])
     mean = {}
     for name, make_queue in (("FCFS", None), ("SJF", mod.ShortestJobFirstQueue)):
         sched = scheduler_of(Scheduler, max_num_seqs=1)
         if make_queue:
             sched.waiting = make_queue()
-        _, steps = run_checked(fake, sched, spec)
+        with guard.paused() if make_queue is None else nullcontext():
+            _, steps = run_checked(fake, sched, SJF_SPEC)
         first, last = first_and_last_steps(steps)
         mean[name] = sum(last.values()) / len(last)
     admitted = sorted(first, key=first.get)
@@ -102,32 +136,26 @@ def check_shortest_job_first(mod, say) -> None:
            "equal job sizes: the request that arrived first must go first (arrival_time), "
            "whatever order they were added in")
     say("equal sizes go by arrival_time, not by the order they were added")
-    # A pool so small that requests are preempted and come back with add(front=True): every
-    # admission must still be the shortest job waiting.
-    sched = scheduler_of(Scheduler, num_blocks=12)
+
+
+def sjf_after_preemption(fake, mod, block_size, num_blocks) -> None:
+    """Two jobs of 44 tokens fill the pool; the later one is preempted with 28 outputs, and a
+    job of 20 tokens arrives then. The preempted job has lost its outputs with its blocks: it
+    is still a job of 44 tokens, and the new one goes first (and fits)."""
+    from nanoserve.scheduler import Scheduler
+    sched = scheduler_of(Scheduler, num_blocks=num_blocks, block_size=block_size)
     sched.waiting = shortest_first(mod.ShortestJobFirstQueue())
-    run_checked(fake, sched, spec)
+    late, arrived = fake.make_request("late", [9] * 10, 10), []
+
+    def arrive(s):
+        s.kv.check_invariants()
+        if s.num_preemptions_total and not arrived:
+            arrived.append(s.add_request(late))
+    fake.run(sched, [fake.make_request(f"long{i}", [i + 1] * 4, 40) for i in range(2)],
+             check=arrive)
     expect(sched.num_preemptions_total > 0, "the small pool should have preempted (check bug)")
-    # Two long jobs fill the pool; a shorter one arrives after them and waits for blocks. The
-    # long one preempted later comes back with front=True, yet the shorter one goes first.
-    sched = scheduler_of(Scheduler, num_blocks=12)
-    sched.waiting = shortest_first(mod.ShortestJobFirstQueue())
-    late = fake.make_request("late", [9] * 20, 2)
-    fake.run(sched, [fake.make_request(f"long{i}", [i + 1] * 16, 16) for i in range(2)],
-             check=lambda s: s.kv.check_invariants() or (s.num_steps == 1 and s.add_request(late)))
-    expect(sched.num_preemptions_total > 0, "the small pool should have preempted (check bug)")
-    expect(late.output_token_ids == fake.reference_tokens([9] * 20, 2),
+    expect(late.output_token_ids == fake.reference_tokens([9] * 10, 10),
            "request late produced the wrong tokens")
-    say("12 blocks: preempted requests re-queued; every admission the shortest job waiting, "
-        "a preempted one included; every token right")
-    sched = scheduler_of(Scheduler)
-    sched.waiting = mod.ShortestJobFirstQueue()
-    for s in spec:
-        sched.add_request(fake.make_request(*s))
-    sched.abort(["r2"])
-    expect(len(sched.waiting) == len(spec) - 1 and all(r.request_id != "r2" for r in sched.waiting),
-           "an aborted waiting request must leave the queue (remove)")
-    say("abort removes a waiting request")
 
 
 def one_batch_at_a_time(sched) -> None:

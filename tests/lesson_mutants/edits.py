@@ -51,6 +51,11 @@ EDITS = {
             "equal sizes go in the order they were added, not by arrival (a preempted request "
             "is added again long after it arrived)",
             [(", request.arrival_time)", ", 0)")]),
+        "outputs_not_recomputed": (
+            "sizes a job by the tokens it has left to generate: a preempted request seems to "
+            "shrink, though its outputs so far are lost with its blocks and computed again",
+            [("request.num_prompt_tokens + request.max_tokens",
+              "request.num_prompt_tokens + request.max_tokens - request.num_output_tokens")]),
     },
     "lesson3_static_batching": {
         "drops_preempted": (
