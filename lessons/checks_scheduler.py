@@ -186,22 +186,26 @@ def check_static_batching(mod, say) -> None:
     spec = [(f"r{i}", [i + 1] * 6, 4 if i % 2 else 32) for i in range(8)]
     continuous = scheduler_of(Scheduler, max_num_seqs=4)
     _, cont_steps = run_checked(fake, continuous, spec)
-    static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4)
-    one_batch_at_a_time(static)
-    _, steps = run_checked(fake, static, spec)
-    first, _ = first_and_last_steps(steps)
-    expect(len(set(first.values())) > 1, "no request waited: every request ran in one batch?")
-    say(f"no request joins a running batch; {len(set(first.values()))} batches")
-    expect(len(steps) > len(cont_steps), "static batching should need more steps than continuous")
-    say(f"8 requests of 4 or 32 tokens, 4 seats: {len(steps)} steps static vs "
-        f"{len(cont_steps)} continuous")
-    # A pool too small for a whole batch: members are preempted while their batch runs.
-    static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4, num_blocks=16)
-    one_batch_at_a_time(static)
-    run_checked(fake, static, spec)
-    expect(static.num_preemptions_total > 0, "the small pool should have preempted (check bug)")
-    say(f"16 blocks: {static.num_preemptions_total} members preempted, each resumed before any "
-        "new request; every token right, no block leaked")
+    with own_work(mod, ["StaticBatchScheduler.schedule"]):
+        static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4)
+        one_batch_at_a_time(static)
+        _, steps = run_checked(fake, static, spec)
+        first, _ = first_and_last_steps(steps)
+        expect(len(set(first.values())) > 1, "no request waited: every request ran in one batch?")
+        say(f"no request joins a running batch; {len(set(first.values()))} batches")
+        expect(len(steps) > len(cont_steps), "static batching should need more steps than "
+               "continuous")
+        say(f"8 requests of 4 or 32 tokens, 4 seats: {len(steps)} steps static vs "
+            f"{len(cont_steps)} continuous")
+        # Pools too small for a whole batch: members are preempted while their batch runs.
+        for block_size, num_blocks in ((4, 16), (16, 5)):
+            static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4,
+                                  num_blocks=num_blocks, block_size=block_size)
+            one_batch_at_a_time(static)
+            run_checked(fake, static, spec)
+            expect(static.num_preemptions_total > 0, "the pool should have preempted (check bug)")
+    say("16 blocks of 4, 5 blocks of 16: members preempted, each resumed before any new "
+        "request; every token right, no block leaked")
 
 
 # -- 4.3 cheapest victim -----------------------------------------------------------------------
