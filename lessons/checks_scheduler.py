@@ -211,52 +211,68 @@ def check_static_batching(mod, say) -> None:
 # -- 4.3 cheapest victim -----------------------------------------------------------------------
 def check_cheapest_victim(mod, say) -> None:
     from nanoserve.scheduler import Scheduler
-    fake = fake_engine()
-    # Short prompts admitted first, long ones last: the default victim is the costly one.
+    computed = {}
+    with own_work(mod, ["CheapestVictimScheduler._pick_victim"], [Scheduler._pick_victim],
+                  "choose the victim yourself") as guard:
+        for block_size, num_blocks in ((4, 14), (16, 4)):
+            with guard.paused():
+                last = victims_in_a_run(Scheduler, block_size, num_blocks)
+            computed[block_size] = (last, victims_in_a_run(mod.CheapestVictimScheduler,
+                                                           block_size, num_blocks))
+        say("14 blocks of 4, 4 blocks of 16: every victim had the fewest computed tokens (not "
+            "always the last admitted); every token right")
+        # Mid-step, as in schedule(): a request may already hold blocks for tokens not yet
+        # computed, so blocks held (or tokens known) are not the cost.
+        for running, want, rule in (
+                ([("a", 4, 12), ("b", 6, 6)], "a", "fewest computed tokens, not fewest blocks"),
+                ([("p", 7, 7), ("q", 5, 5), ("r", 5, 5), ("s", 9, 9)], "r",
+                 "among equals, the latest in self.running")):
+            victim = pick_mid_step(mod.CheapestVictimScheduler, running)
+            expect(victim.request_id == want, f"running {[(r, c) for r, c, _ in running]} "
+                   f"(id, computed tokens): the victim is {want} ({rule}), not "
+                   f"{victim.request_id}")
+    say("ties go to the latest admitted; cost is computed tokens, not blocks held")
+    say("tokens computed in all, recomputation included, last admitted vs cheapest: "
+        + ", ".join(f"{a} vs {b} in blocks of {size}" for size, (a, b) in computed.items()))
+
+
+def victims_in_a_run(cls, block_size, num_blocks) -> int:
+    """Short prompts admitted first, long ones last: the default victim is the costly one. Each
+    victim must have the fewest computed tokens; returns the tokens computed in all."""
+    from nanoserve.scheduler import Scheduler
     spec = [(f"r{i}", [i + 1] * p, m) for i, (p, m) in
             enumerate([(2, 24), (3, 24), (2, 24), (30, 8), (28, 8)])]
-    computed = {}
-    for name, cls in (("last admitted", Scheduler), ("cheapest", mod.CheapestVictimScheduler)):
-        sched = scheduler_of(cls, num_blocks=14)
-        not_last = 0
-        pick = sched._pick_victim
+    sched = scheduler_of(cls, num_blocks=num_blocks, block_size=block_size)
+    pick, not_last = sched._pick_victim, []
 
-        def checked():
-            nonlocal not_last
-            victim = pick()
-            least = min(r.num_computed_tokens for r in sched.running)
-            expect(victim in sched.running and victim.num_computed_tokens == least,
-                   f"victim {victim.request_id} has {victim.num_computed_tokens} computed "
-                   f"tokens; a running request has only {least}")
-            not_last += victim is not sched.running[-1]
-            return victim
-        if cls is not Scheduler:
-            sched._pick_victim = checked
-        _, steps = run_checked(fake, sched, spec)
-        computed[name] = sum(out.total_num_scheduled_tokens for out in steps)
-    expect(not_last > 0, "every victim was the last admitted: the cheapest is not always last")
-    say(f"14 blocks: every victim had the fewest computed tokens ({not_last} of them not the "
-        f"last admitted); every token right")
-    # Mid-step, as in schedule(): a request may already hold blocks for tokens not yet
-    # computed, so blocks held are not the cost. (id, computed tokens, tokens allocated)
-    for running, want, rule in (
-            ([("a", 4, 12), ("b", 6, 6)], "a", "fewest computed tokens, not fewest blocks"),
-            ([("p", 7, 7), ("q", 5, 5), ("r", 5, 5), ("s", 9, 9)], "r",
-             "among equals, the latest in self.running")):
-        sched = scheduler_of(mod.CheapestVictimScheduler)
-        for rid, num_computed, allocated in running:
-            request = fake.make_request(rid, list(range(1, allocated + 1)), 4)
-            sched.add_request(request)
-            sched.waiting.remove(request)
-            sched.kv.allocate_slots(request, allocated)
-            request.num_computed_tokens = num_computed
-            sched.running.append(request)
-        victim = sched._pick_victim()
-        expect(victim.request_id == want, f"running {[(r, c) for r, c, _ in running]} "
-               f"(id, computed tokens): the victim is {want} ({rule}), not {victim.request_id}")
-    say("ties go to the latest admitted; cost is computed tokens, not blocks held")
-    say(f"tokens computed in all, recomputation included: {computed['last admitted']} (last "
-        f"admitted) vs {computed['cheapest']} (cheapest)")
+    def checked():
+        victim = pick()
+        least = min(r.num_computed_tokens for r in sched.running)
+        expect(victim in sched.running and victim.num_computed_tokens == least,
+               f"victim {victim.request_id} has {victim.num_computed_tokens} computed tokens; a "
+               f"running request has only {least}")
+        not_last.append(victim is not sched.running[-1])
+        return victim
+    if cls is not Scheduler:
+        sched._pick_victim = checked
+    _, steps = run_checked(fake_engine(), sched, spec)
+    expect(cls is Scheduler or any(not_last), f"blocks of {block_size}: every victim was the "
+           "last admitted: the cheapest is not always last (check bug)")
+    return sum(out.total_num_scheduled_tokens for out in steps)
+
+
+def pick_mid_step(cls, running):
+    """The victim cls picks among `running`: (id, computed tokens, tokens allocated)."""
+    fake = fake_engine()
+    sched = scheduler_of(cls)
+    for rid, num_computed, allocated in running:
+        request = fake.make_request(rid, list(range(1, allocated + 1)), 4)
+        sched.add_request(request)
+        sched.waiting.remove(request)
+        sched.kv.allocate_slots(request, allocated)
+        request.num_computed_tokens = num_computed
+        sched.running.append(request)
+    return sched._pick_victim()
 
 
 # -- 5.3 hit-count eviction --------------------------------------------------------------------
