@@ -317,38 +317,81 @@ def contract(pool) -> None:
 
 
 def check_hit_count_eviction(mod, say) -> None:
-    from nanoserve.scheduler import Scheduler
-    fake = fake_engine()
-    hot = [7] * 8                                     # two blocks every hot request shares
-    spec = ([(f"hot{i}", hot + [i + 1] * 3, 2) for i in range(2)]
-            + [(f"cold{i}", [10 + i] * 20, 2) for i in range(6)] + [("hot2", hot + [9] * 3, 2)])
-    hits: dict[str, dict[str, int]] = {}
-    for name, pool in (("LRU", None), ("hit count", mod.HitCountBlockPool)):
-        sched = scheduler_of(Scheduler, num_blocks=12)
-        if pool:
-            sched.kv.pool = pool(12, True)
-            contract(sched.kv.pool)
-        runner, hits[name] = fake.FakeRunner(12, 4), {}
-        for rid, prompt, max_tokens in spec:          # one after another: the cache must remember
-            before = sched.kv.prefix_cache_hits
-            outs, _ = fake.run(sched, [fake.make_request(rid, prompt, max_tokens)],
-                               check=lambda s: s.kv.check_invariants(), runner=runner)
-            expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
-                   f"{rid} produced the wrong tokens: it was served a block whose content changed")
-            hits[name][rid] = sched.kv.prefix_cache_hits - before
-    expect(hits["LRU"]["hot2"] == 0, "LRU should have evicted the hot prefix (check bug)")
-    expect(hits["hit count"]["hot2"] == 8, f"hot2 hit {hits['hit count']['hot2']} tokens: the "
-           "hot prefix (8 tokens, hit once before) must outlive six one-off prompts never hit")
-    say("a hot prefix survives six one-off prompts: hot2 hits 8 tokens (LRU: 0); every block "
-        "taken follows the rule; evicted blocks lose their hash")
-    sched = scheduler_of(Scheduler, num_blocks=24)
-    sched.kv.pool = mod.HitCountBlockPool(24, True)
-    contract(sched.kv.pool)
-    rng = random.Random(0)
-    prefix = [3] * 8
-    spec = [(f"r{i}", prefix + [rng.randrange(50) for _ in range(rng.randint(1, 30))],
-             rng.randint(1, 20)) for i in range(12)]
-    run_checked(fake, sched, spec)
-    expect(sched.num_preemptions_total > 0, "the pool should have preempted (check bug)")
+    from nanoserve.kv_cache import BlockPool
+    methods = ["HitCountBlockPool.touch", "HitCountBlockPool.get_new_blocks"]
+    with own_work(mod, methods, [BlockPool.get_new_blocks], "choose the blocks yourself") as guard:
+        for block_size in (4, 16):
+            with guard.paused():
+                lru = hot_and_cold(None, block_size)
+            expect(lru == 0, "LRU should have evicted the hot prefix (check bug)")
+            hits = hot_and_cold(mod.HitCountBlockPool, block_size)
+            expect(hits == 2 * block_size, f"blocks of {block_size}: hot2 hit {hits} tokens: the "
+                   f"hot prefix ({2 * block_size} tokens, hit once before) must outlive six "
+                   "one-off prompts never hit")
+        say("blocks of 4 and 16: a hot prefix survives six one-off prompts (LRU: 0 hits); every "
+            "block taken follows the rule; evicted blocks lose their hash")
+        for block_size in (4, 16):
+            retried_lookups(mod.HitCountBlockPool, block_size)
+        say("a request looked up again and again while it waits for blocks is no hit: only "
+            "blocks a request takes (touch) count")
+        sched = pooled(mod.HitCountBlockPool, 24)
+        rng = random.Random(0)
+        prefix = [3] * 8
+        spec = [(f"r{i}", prefix + [rng.randrange(50) for _ in range(rng.randint(1, 30))],
+                 rng.randint(1, 20)) for i in range(12)]
+        run_checked(fake_engine(), sched, spec)
+        expect(sched.num_preemptions_total > 0, "the pool should have preempted (check bug)")
     say(f"12 requests in 24 blocks, {sched.num_preemptions_total} preemptions: KV invariants "
         "hold, every token right")
+
+
+def pooled(pool, num_blocks, block_size=4, **config):
+    """A scheduler on the fake engine whose block pool is `pool` (None: nanoserve's), checked."""
+    from nanoserve.scheduler import Scheduler
+    sched = scheduler_of(Scheduler, num_blocks=num_blocks, block_size=block_size, **config)
+    if pool:
+        sched.kv.pool = pool(num_blocks, True)
+        contract(sched.kv.pool)
+    return sched
+
+
+def one_after_another(sched, spec, fake, runner) -> dict[str, int]:
+    """Run (id, prompt, max_tokens) requests one after another (the cache must remember);
+    returns each one's prefix hits, in tokens."""
+    hits = {}
+    for rid, prompt, max_tokens in spec:
+        before = sched.kv.prefix_cache_hits
+        outs, _ = fake.run(sched, [fake.make_request(rid, prompt, max_tokens)],
+                           check=lambda s: s.kv.check_invariants(), runner=runner)
+        expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
+               f"{rid} produced the wrong tokens: it was served a block whose content changed")
+        hits[rid] = sched.kv.prefix_cache_hits - before
+    return hits
+
+
+def hot_and_cold(pool, block_size) -> int:
+    """Two requests share a hot prefix of two blocks, six one-off prompts of five blocks pass
+    through 12 blocks, a third request comes back to the hot prefix: its hit, in tokens."""
+    fake, bs = fake_engine(), block_size
+    hot = [7] * (2 * bs)
+    spec = ([(f"hot{i}", hot + [i + 1] * 3, 2) for i in range(2)]
+            + [(f"cold{i}", [10 + i] * (5 * bs), 2) for i in range(6)] + [("hot2", hot + [9] * 3, 2)])
+    sched = pooled(pool, 12, bs)
+    return one_after_another(sched, spec, fake, fake.FakeRunner(12, bs))["hot2"]
+
+
+def retried_lookups(pool, block_size) -> None:
+    """Prefixes x and y are cached, never hit (x freed first). A long request fills the pool;
+    one that would hit x waits for blocks, looked up again at every step; when the long one
+    must evict, x has still no hit: it goes first (the contract checks it)."""
+    fake, u = fake_engine(), block_size // 4
+    x, y = [1] * (8 * u), [3] * (8 * u)
+    sched = pooled(pool, 12, block_size, max_model_len=256)
+    runner = fake.FakeRunner(12, block_size)
+    one_after_another(sched, [("x", x + [2], 2), ("y", y + [4], 2)], fake, runner)
+    spec = [("long", [6] * (24 * u), 12 * u), ("x-again", x + [7] * (20 * u), 2)]
+    outs, _ = fake.run(sched, [fake.make_request(*s) for s in spec], runner=runner,
+                       check=lambda s: s.kv.check_invariants())
+    for rid, prompt, max_tokens in spec:
+        expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
+               f"{rid} produced the wrong tokens")

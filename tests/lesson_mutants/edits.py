@@ -91,6 +91,18 @@ EDITS = {
         "most_recent_among_equals": (
             "among equal hits, the most recently freed instead of the least",
             [("sorted(self.free_queue.values(),", "sorted(reversed(self.free_queue.values()),")]),
+        "counts_lookups": (
+            "counts a hit at every lookup of a cached block, though a request that waits for "
+            "free blocks is looked up again at every step: its prefix seems hot",
+            [("    def touch(self, blocks) -> None:\n"
+              "        for block in blocks:\n"
+              "            self.hits[block.block_id] += 1\n",
+              "    def get_cached_block(self, block_hash):\n"
+              "        block = super().get_cached_block(block_hash)\n"
+              "        if block is not None:\n"
+              "            self.hits[block.block_id] += 1\n"
+              "        return block\n\n"
+              "    def touch(self, blocks) -> None:\n")]),
     },
     "lesson6_kv_sizing": {
         "k_only": ("counts K but not V", [("return 2 * config", "return config")]),
