@@ -96,7 +96,7 @@ def own_work(mod, names, forbidden=(), why="write it yourself", no_numpy=False):
     version of the mechanism) nor a function of the reference solution, however it was reached:
     imported, looked up by a string, loaded again from a private copy (a copy runs the same
     bytecode). `no_numpy`: numpy may not run either. The check's own oracle calls go in a
-    `with guard.paused():` block.
+    `with oracle():` block.
 
         with own_work(mod, ["MyKVCacheManager.allocate_slots"], [KVCacheManager.allocate_slots]):
             run_the_engine_with(mod.MyKVCacheManager)
@@ -110,11 +110,28 @@ def own_work(mod, names, forbidden=(), why="write it yourself", no_numpy=False):
     guard = Guard(banned, mod.__file__, no_numpy)
     previous = sys.getprofile()
     sys.setprofile(guard.hook)
+    GUARDS.append(guard)
     try:
-        yield guard
+        yield
     finally:
+        GUARDS.remove(guard)
         sys.setprofile(previous)
     expect(guard.seen is None, f"your code ran {guard.seen}: {why}")
+
+
+GUARDS: list = []       # own_work's guards now watching
+
+
+@contextmanager
+def oracle():
+    """The check's own oracle (nanoserve's code, HF transformers) runs here, unwatched."""
+    for guard in GUARDS:
+        guard.pause += 1
+    try:
+        yield
+    finally:
+        for guard in GUARDS:
+            guard.pause -= 1
 
 
 class Guard:
@@ -151,14 +168,6 @@ class Guard:
             type(getattr(called, "__self__", None)).__module__
         name = getattr(called, "co_name", None) or getattr(called, "__name__", "")
         return f"numpy ({name})" if "numpy" in (where or "") or name == "numpy" else None
-
-    @contextmanager
-    def paused(self):
-        self.pause += 1
-        try:
-            yield
-        finally:
-            self.pause -= 1
 
 
 def small_llm(**overrides):
@@ -204,7 +213,8 @@ def expect_hf_greedy(llm, prompts: list[list[int]], max_tokens: int = 16) -> Non
     """The engine, with the learner's piece in it, gives HF transformers' greedy tokens."""
     got = greedy(llm, prompts, max_tokens)
     for prompt, tokens in zip(prompts, got):
-        want = hf_greedy(str(llm.engine.model_path), tuple(prompt), max_tokens)
+        with oracle():
+            want = hf_greedy(str(llm.engine.model_path), tuple(prompt), max_tokens)
         expect(tokens == want, f"prompt {prompt}: the engine with your code generated "
                f"{tokens}, HF transformers' greedy tokens are {want}")
     pool = llm.engine.kv_cache_manager.pool

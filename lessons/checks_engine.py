@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import random
 
-from check_kit import (expect, expect_hf_greedy, fake_engine, forbid, prompt_ids, small_llm)
+from check_kit import (expect, expect_hf_greedy, fake_engine, forbid, oracle, own_work, prompt_ids,
+                       small_llm)
 from checks_scheduler import scheduler_of
 
 
@@ -33,7 +34,8 @@ def check_batch_indices(mod, say) -> None:
         nonlocal calls
         args = (num_scheduled, num_computed, block_tables, block_size)
         got = mod.batch_indices(*(a.clone() if torch.is_tensor(a) else a for a in args))
-        want = model_runner.batch_indices(*args)
+        with oracle():
+            want = model_runner.batch_indices(*args)
         expect(isinstance(got, tuple) and len(got) == 3, "return (positions, slot_mapping, "
                "query_start_loc)")
         for name, g, w in zip(names, got, want):
@@ -44,14 +46,24 @@ def check_batch_indices(mod, say) -> None:
                    f"it should be {w.tolist()} (int64)")
         calls += 1
         return got
-    checked(torch.tensor([1, 3]), torch.tensor([9, 0]),
-            torch.tensor([[7, 1, 3], [5, 0, 0]], dtype=torch.int32), 4)
-    say("the module docstring's example: a decode at position 9 and a 3-token prefill")
-    llm = small_llm()
-    llm.engine.executor.model_runner.batch_indices = checked
-    expect_hf_greedy(llm, prompt_ids(llm))
-    expect(llm.engine.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
-    say(f"4 prompts, chunked and preempted, {calls} steps with your indices: HF's greedy tokens")
+    with own_work(mod, ["batch_indices"], [model_runner.batch_indices]):
+        checked(torch.tensor([1, 3]), torch.tensor([9, 0]),
+                torch.tensor([[7, 1, 3], [5, 0, 0]], dtype=torch.int32), 4)
+        say("the module docstring's example: a decode at position 9 and a 3-token prefill")
+        gen = torch.Generator().manual_seed(0)
+        for block_size in (8, 16, 32):
+            num_computed = torch.randint(0, 3 * block_size, (5,), generator=gen)
+            num_scheduled = torch.randint(1, 2 * block_size, (5,), generator=gen)
+            tables = torch.randperm(64, generator=gen)[:5 * 6].view(5, 6).int()
+            checked(num_scheduled, num_computed, tables, block_size)
+        say("5 requests mid-prompt, blocks of 8, 16 and 32 tokens: nanoserve's indices")
+        for overrides in ({}, dict(block_size=16, num_kv_blocks=4)):
+            llm = small_llm(**overrides)
+            llm.engine.executor.model_runner.batch_indices = checked
+            expect_hf_greedy(llm, prompt_ids(llm))
+            expect(llm.engine.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
+    say(f"4 prompts, chunked and preempted, blocks of 4 and 16, {calls} steps with your indices: "
+        "HF's greedy tokens")
 
 
 # -- 3.5 the running half of the scheduler ------------------------------------------------------

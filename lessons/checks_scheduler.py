@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from contextlib import nullcontext
 
-from check_kit import expect, fake_engine, own_work
+from check_kit import expect, fake_engine, oracle, own_work
 
 
 # -- 3.3 shortest job first; 3.4 static batching ------------------------------------------------
@@ -76,8 +76,8 @@ def check_shortest_job_first(mod, say) -> None:
     methods = [f"ShortestJobFirstQueue.{m}" for m in
                ("add", "peek", "pop", "remove", "__len__", "__iter__")]
     with own_work(mod, methods, [WaitingQueue.add, WaitingQueue.peek, WaitingQueue.pop],
-                  "keep the waiting requests yourself") as guard:
-        sjf_one_seat(fake, mod, say, guard)
+                  "keep the waiting requests yourself"):
+        sjf_one_seat(fake, mod, say)
         # Pools so small that requests are preempted and come back with add(front=True): every
         # admission must still be the shortest job waiting. Blocks of 4 tokens, then of 16.
         for block_size, num_blocks in ((4, 12), (16, 5)):
@@ -107,7 +107,7 @@ SJF_SPEC = [(f"r{i}", [i + 1] * p, m) for i, (p, m) in
             enumerate([(10, 20), (3, 6), (12, 10), (2, 3), (6, 8), (15, 25), (20, 4)])]
 
 
-def sjf_one_seat(fake, mod, say, guard) -> None:
+def sjf_one_seat(fake, mod, say) -> None:
     from nanoserve.scheduler import Scheduler
     order = sorted(SJF_SPEC, key=lambda s: len(s[1]) + s[2])
     mean = {}
@@ -115,7 +115,7 @@ def sjf_one_seat(fake, mod, say, guard) -> None:
         sched = scheduler_of(Scheduler, max_num_seqs=1)
         if make_queue:
             sched.waiting = make_queue()
-        with guard.paused() if make_queue is None else nullcontext():
+        with oracle() if make_queue is None else nullcontext():
             _, steps = run_checked(fake, sched, SJF_SPEC)
         first, last = first_and_last_steps(steps)
         mean[name] = sum(last.values()) / len(last)
@@ -213,9 +213,9 @@ def check_cheapest_victim(mod, say) -> None:
     from nanoserve.scheduler import Scheduler
     computed = {}
     with own_work(mod, ["CheapestVictimScheduler._pick_victim"], [Scheduler._pick_victim],
-                  "choose the victim yourself") as guard:
+                  "choose the victim yourself"):
         for block_size, num_blocks in ((4, 14), (16, 4)):
-            with guard.paused():
+            with oracle():
                 last = victims_in_a_run(Scheduler, block_size, num_blocks)
             computed[block_size] = (last, victims_in_a_run(mod.CheapestVictimScheduler,
                                                            block_size, num_blocks))
@@ -319,9 +319,9 @@ def contract(pool) -> None:
 def check_hit_count_eviction(mod, say) -> None:
     from nanoserve.kv_cache import BlockPool
     methods = ["HitCountBlockPool.touch", "HitCountBlockPool.get_new_blocks"]
-    with own_work(mod, methods, [BlockPool.get_new_blocks], "choose the blocks yourself") as guard:
+    with own_work(mod, methods, [BlockPool.get_new_blocks], "choose the blocks yourself"):
         for block_size in (4, 16):
-            with guard.paused():
+            with oracle():
                 lru = hot_and_cold(None, block_size)
             expect(lru == 0, "LRU should have evicted the hot prefix (check bug)")
             hits = hot_and_cold(mod.HitCountBlockPool, block_size)

@@ -141,6 +141,9 @@ EDITS = {
             "takes the offset in the block from the token's place in this step, not from its "
             "position in the request",
             [("+ positions % block_size", "+ offset_in_request % block_size")]),
+        "offset_modulo_4": (
+            "takes the offset in the block modulo 4, the block size it was tried with",
+            [("+ positions % block_size", "+ positions % 4")]),
     },
     "lesson3_chunked_running": {
         "no_budget_cap": (
