@@ -16,6 +16,7 @@ so that a wrong piece fails with a message about the call that went wrong.
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 
 from check_kit import (expect, expect_hf_greedy, fake_engine, forbid, oracle, own_work, prompt_ids,
                        small_llm)
@@ -92,36 +93,64 @@ def running_contract(sched) -> None:
 
 def check_schedule_running(mod, say) -> None:
     from nanoserve.scheduler import Scheduler
+    with own_work(mod, ["ChunkedRunningScheduler._schedule_running"],
+                  [Scheduler._schedule_running], "schedule the running requests yourself"):
+        # Under `priority` the victim is the least important request, maybe one scheduled
+        # already this step: its tokens go back to the budget, and the loop's place moves.
+        for policy, block_size, num_blocks in (("fcfs", 4, 20), ("priority", 4, 20),
+                                               ("priority", 16, 5), ("fcfs", 16, 5)):
+            same_steps(mod, policy, block_size, num_blocks)
+        say("10 requests arriving over 5 steps, budget 16, FCFS and priority, blocks of 4 and 16: "
+            "every step as nanoserve's, preempted along the way, every token right")
+        llm = small_llm()
+        core = llm.engine
+        core.scheduler = mod.ChunkedRunningScheduler(core.config, core.kv_cache_manager,
+                                                     core.tracer)
+        running_contract(core.scheduler)
+        expect_hf_greedy(llm, prompt_ids(llm))
+        expect(core.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
+    say("in the real engine, chunked and preempted: HF's greedy tokens")
+
+
+def same_steps(mod, policy, block_size, num_blocks, seed=2):
+    """Short prompts and long ones (longer than the budget), with random priorities, arriving
+    over the first steps, on the fake engine: the learner's scheduler makes every step
+    nanoserve's makes."""
+    from nanoserve.scheduler import Scheduler
     fake = fake_engine()
-    rng = random.Random(2)       # short prompts and long ones (longer than the budget)
+    rng = random.Random(seed)
     spec = [(f"r{i}", [rng.randrange(1, 50) for _ in range(
         rng.choice([rng.randint(2, 8), rng.randint(20, 40)]))], rng.randint(4, 20))
         for i in range(10)]
+    arrival = {rid: rng.randrange(1, 6) for rid, _, _ in spec[1:]}     # r0 is there at once
+    priority = {rid: rng.randrange(4) for rid, _, _ in spec}
     runs = {}
     for name, cls in (("nanoserve", Scheduler), ("yours", mod.ChunkedRunningScheduler)):
-        sched = scheduler_of(cls, num_blocks=20, max_num_batched_tokens=16)
+        sched = scheduler_of(cls, num_blocks=num_blocks, block_size=block_size,
+                             max_num_batched_tokens=16, scheduling_policy=policy)
         if cls is not Scheduler:
             running_contract(sched)
-        outs, steps = fake.run(sched, [fake.make_request(*s) for s in spec],
-                               check=lambda s: s.kv.check_invariants())
-        for rid, prompt, max_tokens in spec:
-            expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
-                   f"request {rid} produced the wrong tokens")
+        requests = [fake.make_request(*s) for s in spec]
+        for r in requests:
+            r.priority = priority[r.request_id]
+
+        def arrive(s):
+            s.kv.check_invariants()
+            for r in requests:
+                if arrival.get(r.request_id) == s.num_steps:
+                    s.add_request(r)
+        with oracle() if cls is Scheduler else nullcontext():
+            _, steps = fake.run(sched, requests[:1], check=arrive)
+        for r, (rid, prompt, max_tokens) in zip(requests, spec):
+            expect(r.output_token_ids == fake.reference_tokens(prompt, max_tokens),
+                   f"{policy}, blocks of {block_size}: request {rid} produced the wrong tokens")
         runs[name] = (steps_of(steps), sched.num_preemptions_total)
     expect(runs["nanoserve"][1] > 0, "no preemption (check bug)")
     for i, (want, got) in enumerate(zip(*[runs[k][0] for k in ("nanoserve", "yours")]), 1):
-        expect(want == got, f"step {i}: nanoserve schedules {want[0]} (preempted {want[1]}); "
-               f"yours {got[0]} (preempted {got[1]})")
+        expect(want == got, f"{policy}, blocks of {block_size}, step {i}: nanoserve schedules "
+               f"{want[0]} (preempted {want[1]}); yours {got[0]} (preempted {got[1]})")
     expect(len(runs["yours"][0]) == len(runs["nanoserve"][0]), "a different number of steps")
-    say(f"10 requests, budget 16, 20 blocks: every one of {len(runs['yours'][0])} steps as "
-        f"nanoserve's, {runs['yours'][1]} preemptions, every token right")
-    llm = small_llm()
-    core = llm.engine
-    core.scheduler = mod.ChunkedRunningScheduler(core.config, core.kv_cache_manager, core.tracer)
-    running_contract(core.scheduler)
-    expect_hf_greedy(llm, prompt_ids(llm))
-    expect(core.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
-    say("in the real engine, chunked and preempted: HF's greedy tokens")
+    return runs["yours"]
 
 
 # -- 4.4 allocate_slots, all or nothing ------------------------------------------------------------

@@ -159,6 +159,15 @@ EDITS = {
             "ends the step's running half whenever someone was preempted, though the requests "
             "admitted before the victim still have their blocks",
             [("if request in victims:", "if victims:")]),
+        "victims_never_scheduled": (
+            "assumes a victim is always behind the request (true under FCFS): under `priority` "
+            "a victim scheduled earlier in the step keeps its tokens",
+            [("            for victim in victims:\n"
+              "                budget += scheduled.pop(victim.request_id, 0)\n", "")]),
+        "next_index": (
+            "moves on to the next index, as if no victim could sit ahead of the request (true "
+            "under FCFS): under `priority` one request is skipped",
+            [("i = self.running.index(request) + 1", "i += 1")]),
     },
     "lesson4_allocate_slots": {
         "floor_blocks": (
