@@ -155,64 +155,90 @@ def same_steps(mod, policy, block_size, num_blocks, seed=2):
 
 # -- 4.4 allocate_slots, all or nothing ------------------------------------------------------------
 def all_or_nothing(kv) -> None:
-    """Wrap allocate_slots: None changes nothing (and only when the free blocks are too few);
-    success gives the request exactly the blocks its tokens need, taken from the free ones."""
-    inner, bs = kv.allocate_slots, kv.block_size
+    """Wrap allocate_slots: None changes nothing (and only when the free blocks are too few, a
+    hit's blocks nobody holds not counted free); success gives the request exactly the blocks
+    its tokens need: those it held, the hit's, then new ones taken from the free queue."""
+    inner, bs, pool = kv.allocate_slots, kv.block_size, kv.pool
 
-    def checked(request, num_new_tokens, *args):
+    def checked(request, num_new_tokens, num_hit=0, hits=()):
         rid = request.request_id
-        before = (kv.pool.num_free_blocks, {k: list(v) for k, v in kv.req_to_block_ids.items()})
-        free = set(kv.pool.free_queue)
-        got = inner(request, num_new_tokens, *args)
-        total = request.num_computed_tokens + num_new_tokens
-        needed = -(-total // bs) - len(before[1].get(rid, []))
-        call = f"allocate_slots({rid}, {num_new_tokens}) with {request.num_computed_tokens} " \
-               f"computed, {len(before[1].get(rid, []))} blocks held, {before[0]} free"
+        before = (pool.num_free_blocks, {k: list(v) for k, v in kv.req_to_block_ids.items()})
+        free, free_hits = set(pool.free_queue), sum(b.ref_cnt == 0 for b in hits)
+        held = before[1].get(rid, [])
+        total = request.num_computed_tokens + num_hit + num_new_tokens
+        needed = -(-total // bs) - len(held) - len(hits)
+        call = f"allocate_slots({rid}, {num_new_tokens}, {num_hit}, {len(hits)} hit blocks, " \
+               f"{free_hits} of them free) with {request.num_computed_tokens} computed, " \
+               f"{len(held)} blocks held, {before[0]} free"
+        got = inner(request, num_new_tokens, num_hit, hits)
         if got is None:
-            after = (kv.pool.num_free_blocks, {k: list(v) for k, v in kv.req_to_block_ids.items()})
+            after = (pool.num_free_blocks, {k: list(v) for k, v in kv.req_to_block_ids.items()})
             expect(after == before, f"{call} returned None but changed the pool or the block "
                    f"tables: all or nothing")
-            expect(needed > before[0], f"{call} returned None, yet {needed} blocks were enough")
+            expect(needed > before[0] - free_hits, f"{call} returned None, yet {needed} new "
+                   "blocks were enough")
             return None
         table = kv.req_to_block_ids.get(rid, [])
-        expect(len(table) * bs >= total and (len(table) - 1) * bs < total, f"{call}: the request "
-               f"now holds {len(table)} blocks of {bs} for {total} tokens")
-        expect(list(got) == table[len(table) - len(got):] and set(got) <= free,
-               f"{call} returned {got}: the ids of the blocks newly taken from the free queue")
+        expect(table == held + [b.block_id for b in hits] + list(got) and len(got) == needed
+               and set(got) <= free - {b.block_id for b in hits}, f"{call} returned {got}; the "
+               f"request holds {table}: its blocks, then the hit's, then {needed} new ones from "
+               "the free queue")
+        kv.hits_taken["hit"] += len(hits)
+        kv.hits_taken["nobody held"] += free_hits
         return got
-    kv.allocate_slots = checked
+
+    def taken(n):
+        expect(n <= pool.num_free_blocks, f"get_new_blocks({n}) with {pool.num_free_blocks} "
+               "free: a hit block nobody holds was in the free queue; the hit takes it out, so "
+               "it cannot be counted free as well")
+        return take(n)
+    take, pool.get_new_blocks, kv.allocate_slots = pool.get_new_blocks, taken, checked
+    kv.hits_taken = {"hit": 0, "nobody held": 0}      # hit blocks taken; of them, free ones
 
 
 def student_kv(mod, num_blocks, block_size, tracer=None):
     from nanoserve.trace import NULL_TRACER
-    kv = mod.MyKVCacheManager(num_blocks, block_size, False, tracer or NULL_TRACER)
+    kv = mod.MyKVCacheManager(num_blocks, block_size, True, tracer or NULL_TRACER)
     all_or_nothing(kv)
     return kv
 
 
 def check_allocate_slots(mod, say) -> None:
+    from nanoserve.kv_cache import KVCacheManager
     from nanoserve.scheduler import Scheduler
     fake = fake_engine()
     rng = random.Random(2)
-    spec = [(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randint(1, 30))],
-             rng.randint(1, 20)) for i in range(10)]
-    sched = scheduler_of(Scheduler, num_blocks=16, enable_prefix_caching=False)
-    sched.kv = student_kv(mod, 16, 4)
-    outs, _ = fake.run(sched, [fake.make_request(*s) for s in spec],
-                       check=lambda s: s.kv.check_invariants())
-    for rid, prompt, max_tokens in spec:
-        expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
-               f"request {rid} produced the wrong tokens")
-    expect(sched.num_preemptions_total > 0, "no preemption (check bug)")
-    say(f"10 requests in 16 blocks, {sched.num_preemptions_total} preemptions: every call all or "
-        "nothing, exactly the blocks needed; KV invariants hold")
-    llm = small_llm(enable_prefix_caching=False)
-    core = llm.engine
-    core.kv_cache_manager = core.scheduler.kv = student_kv(
-        mod, core.config.num_kv_blocks, core.config.block_size, core.tracer)
-    expect_hf_greedy(llm, prompt_ids(llm))
-    expect(core.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
-    say("in the real engine, preempted: HF's greedy tokens, every block freed")
+    prefixes = [[rng.randrange(1, 50) for _ in range(12)] for _ in range(2)]
+    spec = [(f"r{i}", rng.choice(prefixes)[:rng.randint(0, 12)] +
+             [rng.randrange(1, 50) for _ in range(rng.randint(1, 20))], rng.randint(1, 20))
+            for i in range(12)]
+    with own_work(mod, ["MyKVCacheManager.allocate_slots"], [KVCacheManager.allocate_slots],
+                  "allocate the blocks yourself"):
+        for block_size, num_blocks in ((4, 16), (16, 5)):
+            sched = scheduler_of(Scheduler, num_blocks=num_blocks, block_size=block_size)
+            sched.kv = student_kv(mod, num_blocks, block_size)
+            outs, _ = fake.run(sched, [fake.make_request(*s) for s in spec],
+                               check=lambda s: s.kv.check_invariants())
+            for rid, prompt, max_tokens in spec:
+                expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
+                       f"blocks of {block_size}: request {rid} produced the wrong tokens")
+            expect(sched.num_preemptions_total > 0, "no preemption (check bug)")
+            expect(sched.kv.hits_taken["nobody held"] > 0, f"blocks of {block_size}: no "
+                   f"request hit a cached block nobody held ({sched.kv.hits_taken}): does every "
+                   "block full after a step enter the prefix cache (cache_full_blocks)?")
+        say("12 requests sharing prefixes, 16 blocks of 4 and 5 of 16: preempted, prefix hits; "
+            "every call all or nothing, exactly the blocks needed; KV invariants hold")
+        llm = small_llm()
+        core = llm.engine
+        core.kv_cache_manager = core.scheduler.kv = student_kv(
+            mod, core.config.num_kv_blocks, core.config.block_size, core.tracer)
+        for _ in range(2):       # the second time, every prompt hits blocks nobody holds
+            expect_hf_greedy(llm, prompt_ids(llm))
+        expect(core.scheduler.num_preemptions_total > 0, "no preemption (check bug)")
+        expect(core.kv_cache_manager.hits_taken["nobody held"] > 0, "the second time, no "
+               "prompt hit its cached blocks: does every full block enter the prefix cache?")
+    say("in the real engine, preempted, every prompt twice (hits on cached free blocks): HF's "
+        "greedy tokens, every block freed")
 
 
 # -- 5.4 the prefix-cache hash chain ------------------------------------------------------------

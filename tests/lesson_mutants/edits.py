@@ -180,7 +180,18 @@ EDITS = {
               "held = self.req_to_block_ids.setdefault(request.request_id, [])")]),
         "one_block_spare": (
             "always takes one block more than needed, just in case",
-            [("- len(held))", "- len(held)) + 1")]),
+            [("- len(new_computed_blocks))", "- len(new_computed_blocks)) + 1")]),
+        "free_hits_counted_twice": (
+            "counts a hit block nobody holds as free too, though the hit takes it out of the "
+            "free queue: the pool runs short in the middle of the call",
+            [("if num_new_blocks > self.pool.num_free_blocks - free_hits:",
+              "if num_new_blocks > self.pool.num_free_blocks:")]),
+        "hit_blocks_allocated_anew": (
+            "takes new blocks for the tokens the prefix hit brings, as if the hit held none",
+            [("- len(held) - len(new_computed_blocks))", "- len(held))")]),
+        "never_caches": (
+            "never enters a full block into the prefix cache: no later request can hit it",
+            [("        if self.enable_caching:", "        if False:")]),
     },
     "lesson5_hash_chain": {
         "no_parent": (
