@@ -254,38 +254,78 @@ def hash_chain_requests(fake):
     yield fake.make_request("continues", first.all_token_ids[:18] + [42, 43], 3)
 
 
-def check_hash_chain(mod, say) -> None:
+def collision_prompts(bs: int) -> list[list[int]]:
+    """Prompts whose blocks a chain must tell apart, or must not: [1, 23] against [12, 3] (digits
+    without a separator), 257 against 1 and 70000 against 4464 (a byte or two bytes a token), a
+    block after another parent, and equal prefixes (their hashes must be equal)."""
+    pad = list(range(100, 100 + bs - 4))
+    first, other = [1, 23, 4, 5] + pad, [12, 3, 4, 5] + pad
+    return [first + other, other + other, [257, 2, 3, 4] + pad + first, [1, 2, 3, 4] + pad + first,
+            [70000, 9, 9, 9] + pad + other, [4464, 9, 9, 9] + pad + other, first + other + first]
+
+
+def expect_same_equalities(mod, bs: int) -> None:
+    """Two blocks of collision_prompts share a hash in the learner's chain exactly when they do in
+    nanoserve's: equal hashes mean equal prefixes."""
     from nanoserve.kv_cache import KVCacheManager
+    fake = fake_engine()
+    prompts = collision_prompts(bs)
+    mine, ref = mod.HashChainKVCacheManager(4, bs, True), KVCacheManager(4, bs, True)
+    got = [list(mine.block_hashes(fake.make_request(f"p{i}", p, 1))) for i, p in enumerate(prompts)]
+    with oracle():
+        want = [ref.block_hashes(fake.make_request(f"p{i}", p, 1)) for i, p in enumerate(prompts)]
+    where = [(i, j) for i, hashes in enumerate(want) for j in range(len(hashes))]
+    expect([len(h) for h in got] == [len(h) for h in want], f"blocks of {bs}: prompts of "
+           f"{[len(p) for p in prompts]} tokens got {[len(h) for h in got]} hashes: one per full "
+           "block")
+    for a in where:
+        for b in where:
+            same = got[a[0]][a[1]] == got[b[0]][b[1]]
+            expect(same == (want[a[0]][a[1]] == want[b[0]][b[1]]), f"blocks of {bs}: block "
+                   f"{a[1]} of {prompts[a[0]]} and block {b[1]} of {prompts[b[0]]} "
+                   f"{'share' if same else 'do not share'} a hash: equal hashes must mean equal "
+                   "prefixes (parent included, every token id kept whole)")
+
+
+def check_hash_chain(mod, say) -> None:
+    from nanoserve.kv_cache import KVCacheManager, hash_block
     from nanoserve.scheduler import Scheduler
-    forbid(mod, {"hash_block", "block_hashes_of"}, "build the chain from hashlib yourself")
     fake = fake_engine()
     hits = {}
-    for name, cls in (("nanoserve", KVCacheManager), ("yours", mod.HashChainKVCacheManager)):
-        sched = scheduler_of(Scheduler, num_blocks=32)
-        sched.kv = cls(32, 4, True)
-        runner, hits[name] = fake.FakeRunner(32, 4), {}
-        for request in hash_chain_requests(fake):
-            before = sched.kv.prefix_cache_hits
-            fake.run(sched, [request], check=lambda s: s.kv.check_invariants(), runner=runner)
-            expect(request.output_token_ids == fake.reference_tokens(
-                request.prompt_token_ids, request.max_tokens), f"{request.request_id} produced "
-                "the wrong tokens")
-            rid = request.request_id
-            hits[name][rid] = got = sched.kv.prefix_cache_hits - before
-            want = hits["nanoserve"][rid]
-            expect(got == want, f"{rid} (prompt {request.prompt_token_ids}, after "
-                   f"{list(hits[name])[:-1]}) hit {got} tokens of the prefix cache; nanoserve's "
-                   f"chain hits {want}")
-    say(f"repeated, moved and continued blocks: the same prefix hits as nanoserve's chain "
-        f"{hits['yours']}")
-    llm = small_llm(num_kv_blocks=32, max_model_len=64)
-    core = llm.engine
-    core.kv_cache_manager = core.scheduler.kv = mod.HashChainKVCacheManager(
-        32, 4, True, core.tracer)
-    a, b = prompt_ids(llm)[2][:4], prompt_ids(llm)[3][:4]
-    for prompt in (a + a + b + [9], b + a + [9], a + a + a + [9]):     # one after another
-        expect_hf_greedy(llm, [prompt], 8)
-    expect(core.kv_cache_manager.prefix_cache_hits > 0, "no prefix hit at all")
+    with own_work(mod, ["HashChainKVCacheManager.block_hashes"],
+                  [hash_block, KVCacheManager.block_hashes], "build the chain from hashlib"):
+        for bs in (4, 16):
+            expect_same_equalities(mod, bs)
+        say("blocks of 4 and 16: [1, 23] and [12, 3], 257 and 1, 70000 and 4464, one block after "
+            "two parents: equal hashes exactly for equal prefixes")
+        for name, cls in (("nanoserve", KVCacheManager), ("yours", mod.HashChainKVCacheManager)):
+            sched = scheduler_of(Scheduler, num_blocks=32)
+            sched.kv = cls(32, 4, True)
+            runner, hits[name] = fake.FakeRunner(32, 4), {}
+            for request in hash_chain_requests(fake):
+                before = sched.kv.prefix_cache_hits
+                with oracle() if cls is KVCacheManager else nullcontext():
+                    fake.run(sched, [request], check=lambda s: s.kv.check_invariants(),
+                             runner=runner)
+                expect(request.output_token_ids == fake.reference_tokens(
+                    request.prompt_token_ids, request.max_tokens), f"{request.request_id} "
+                    "produced the wrong tokens")
+                rid = request.request_id
+                hits[name][rid] = got = sched.kv.prefix_cache_hits - before
+                want = hits["nanoserve"][rid]
+                expect(got == want, f"{rid} (prompt {request.prompt_token_ids}, after "
+                       f"{list(hits[name])[:-1]}) hit {got} tokens of the prefix cache; "
+                       f"nanoserve's chain hits {want}")
+        say(f"repeated, moved and continued blocks: the same prefix hits as nanoserve's chain "
+            f"{hits['yours']}")
+        llm = small_llm(num_kv_blocks=32, max_model_len=64)
+        core = llm.engine
+        core.kv_cache_manager = core.scheduler.kv = mod.HashChainKVCacheManager(
+            32, 4, True, core.tracer)
+        a, b = prompt_ids(llm)[2][:4], prompt_ids(llm)[3][:4]
+        for prompt in (a + a + b + [9], b + a + [9], a + a + a + [9]):     # one after another
+            expect_hf_greedy(llm, [prompt], 8)
+        expect(core.kv_cache_manager.prefix_cache_hits > 0, "no prefix hit at all")
     say("in the real engine, repeated and moved blocks: HF's greedy tokens")
 
 

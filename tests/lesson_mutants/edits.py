@@ -205,6 +205,14 @@ EDITS = {
         "parent_is_first_block": (
             "chains every block to the first block's hash instead of its own parent's",
             [("hashes[-1] if hashes", "hashes[0] if hashes")]),
+        "digits_without_separator": (
+            "writes a block's token ids as digits run together: [1, 23] and [12, 3] collide",
+            [('array("q", tokens[i * size:(i + 1) * size]).tobytes()',
+              '"".join(map(str, tokens[i * size:(i + 1) * size])).encode()')]),
+        "one_byte_per_token": (
+            "keeps one byte of each token id: 257 and 1 collide (vocabularies are larger)",
+            [('array("q", tokens[i * size:(i + 1) * size]).tobytes()',
+              'bytes(t % 256 for t in tokens[i * size:(i + 1) * size])')]),
     },
     "lesson7_exponential_race": {
         "uniform_noise": (
