@@ -170,6 +170,21 @@ class Guard:
         return f"numpy ({name})" if "numpy" in (where or "") or name == "numpy" else None
 
 
+@contextmanager
+def aten_ops():
+    """The names of the aten ops run in the block (below torch's Python API: torch.quantile's
+    sort, a multinomial reached by any name), in a list filled as they run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    ops: list[str] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with Watch():
+        yield ops
+
+
 def small_llm(**overrides):
     """The real engine (the built-in model), sized for SMALL_ENGINE's preemption and chunking."""
     from nanoserve import LLM

@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # check_kit, checks_scheduler
 import checks_engine as engine  # noqa: E402
 import checks_scheduler as scheduling  # noqa: E402
-from check_kit import LESSONS, expect, forbid, load, own_work  # noqa: E402
+from check_kit import LESSONS, aten_ops, expect, forbid, load, own_work  # noqa: E402
 
 
 # -- 1.3 the engine loop ---------------------------------------------------------------------
@@ -191,7 +191,6 @@ def check_top_k(mod, say) -> None:
     import ast
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from nanoserve import sampler
     # A sort shows in the source (any spelling: torch.sort, a name imported early, Python's
@@ -202,18 +201,13 @@ def check_top_k(mod, say) -> None:
                     and (node.attr if isinstance(node, ast.Attribute) else node.id) in SORTS})
     expect(not named, f"your file uses {', '.join(named)}: find each row's cut-off by comparing "
            "and counting, without ordering a row")
-    ops: list[str] = []
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
     for logits, top_k in top_k_cases():
         vocab = logits.shape[1]
         want = sampler.apply_top_k_top_p(logits.clone(), top_k, int(top_k[top_k < vocab].max()),
                                          None)
         with own_work(mod, ["top_k_mask"], [sampler.apply_top_k_top_p],
-                      "find each row's cut-off by comparing and counting", no_numpy=True), Watch():
+                      "find each row's cut-off by comparing and counting", no_numpy=True), \
+                aten_ops() as ops:
             got = mod.top_k_mask(logits.clone(), top_k)
         sorts = sorted({name for name in ops if name.lstrip("_").split("_")[0] in SORTS})
         expect(not sorts, f"your code ordered a row ({', '.join(sorts)}): find each row's "

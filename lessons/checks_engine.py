@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from contextlib import nullcontext
 
-from check_kit import (expect, expect_hf_greedy, fake_engine, forbid, oracle, own_work, prompt_ids,
-                       small_llm)
+from check_kit import (aten_ops, expect, expect_hf_greedy, fake_engine, forbid, oracle, own_work,
+                       prompt_ids, small_llm)
 from checks_scheduler import scheduler_of
 
 
@@ -334,39 +334,85 @@ def check_exponential_race(mod, say) -> None:
     import torch
 
     from nanoserve import SamplingParams
+    from nanoserve.sampler import Sampler
     forbid(mod, {"multinomial", "_sample_reference"}, "draw each row's noise yourself")
-    sampler = mod.ExponentialRaceSampler(torch.Generator().manual_seed(0))
+    with own_work(mod, ["ExponentialRaceSampler._sample"], [Sampler._sample],
+                  "draw each row's noise yourself"):
+        sampler = mod.ExponentialRaceSampler(torch.Generator().manual_seed(0))
+        with aten_ops() as ops:
+            expect_softmax_frequencies(sampler, say)
+            expect_seeded_rows(sampler, say)
+        expect("multinomial" not in ops, "your code called torch.multinomial: draw each row's "
+               "noise yourself")
+        llm = small_llm()
+        runner = llm.engine.executor.model_runner
+        runner.sampler = mod.ExponentialRaceSampler(runner.sampler.generator,
+                                                    runner.sampler.argmax)
+        prompt = prompt_ids(llm)[0]
+        seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
+        alone = llm.generate({"prompt_token_ids": prompt}, seeded, progress=False)[0]
+        mixed = llm.generate([{"prompt_token_ids": p} for p in prompt_ids(llm)[1:]] +
+                             [{"prompt_token_ids": prompt}],
+                             [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 3
+                             + [seeded], progress=False)[-1]
+        expect(alone.outputs[0].token_ids == mixed.outputs[0].token_ids, "seed 3: different "
+               "tokens alone and in a batch of four")
+        expect_hf_greedy(llm, prompt_ids(llm)[:2], 12)
+    say("in the real engine: a seeded request repeats in a mixed batch; greedy rows are HF's")
+
+
+def expect_softmax_frequencies(sampler, say) -> None:
+    """4000 draws in one call, then 4000 more over 200 calls, follow the softmax; and the
+    batch's generator goes on from call to call (no draw repeats a call before it)."""
+    import torch
     logits = torch.tensor([[2.0, 1.0, 0.0, float("-inf"), -1.0]] * 4000)
     probs = logits[0].softmax(-1)
     tokens = sampler._sample(logits.clone(), {})
     expect(tokens.shape == (4000,) and tokens.dtype == torch.int64, "return one int64 token id "
            f"per row (got {tuple(tokens.shape)}, {tokens.dtype})")
-    freq = torch.bincount(tokens, minlength=5).float() / 4000
-    expect(freq[3] == 0, "a token whose logit is -inf was drawn")
-    expect((freq - probs).abs().max() < 0.03, f"4000 draws: frequencies {freq.tolist()}, the "
-           f"softmax is {probs.tolist()}: token i must win with probability p_i")
-    say(f"4000 draws follow the softmax within 0.03: {[round(f, 3) for f in freq.tolist()]}")
-    row = torch.randn(1, 50)
-    alone = sampler._sample(row.clone(), {0: torch.Generator().manual_seed(7)})
-    batch = torch.cat([torch.randn(2, 50), row, torch.randn(1, 50)])
-    together = sampler._sample(batch, {2: torch.Generator().manual_seed(7)})
-    expect(bool(alone[0] == together[2]), "a row with its own generator drew a different token "
-           "in a batch: its noise must come from its generator alone")
-    say("a seeded row draws the same token alone and as row 2 of 4")
-    llm = small_llm()
-    runner = llm.engine.executor.model_runner
-    runner.sampler = mod.ExponentialRaceSampler(runner.sampler.generator, runner.sampler.argmax)
-    prompt = prompt_ids(llm)[0]
-    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)
-    alone = llm.generate({"prompt_token_ids": prompt}, seeded, progress=False)[0]
-    mixed = llm.generate([{"prompt_token_ids": p} for p in prompt_ids(llm)[1:]] +
-                         [{"prompt_token_ids": prompt}],
-                         [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 3
-                         + [seeded], progress=False)[-1]
-    expect(alone.outputs[0].token_ids == mixed.outputs[0].token_ids, "seed 3: different tokens "
-           "alone and in a batch of four")
-    expect_hf_greedy(llm, prompt_ids(llm)[:2], 12)
-    say("in the real engine: a seeded request repeats in a mixed batch; greedy rows are HF's")
+    again = sampler._sample(logits.clone(), {})
+    expect(not torch.equal(tokens, again), "two calls on the same 4000 rows drew the very same "
+           "tokens: the rows without a seed draw fresh noise from self.generator at every call "
+           "(not re-seeded, not kept from an earlier call)")
+    small = torch.cat([sampler._sample(logits[:20].clone(), {}) for _ in range(200)])
+    for draws, how in ((tokens, "in one call"), (small, "over 200 calls of 20 rows")):
+        freq = torch.bincount(draws, minlength=5).float() / len(draws)
+        expect(freq[3] == 0, "a token whose logit is -inf was drawn")
+        expect((freq - probs).abs().max() < 0.03, f"4000 draws {how}: frequencies "
+               f"{freq.tolist()}, the softmax is {probs.tolist()}: token i must win with "
+               "probability p_i")
+    say("4000 draws in one call and 4000 over 200 calls follow the softmax within 0.03; "
+        "no call repeats the one before")
+
+
+def expect_seeded_rows(sampler, say) -> None:
+    """Seeded rows draw from their own generators alone: the same tokens alone and anywhere in
+    a batch, two seeded rows in one batch included, call after call (a generator goes on)."""
+    import torch
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(2, 50, generator=gen)
+    seeds = {"row 0": 7, "row 1": 8}
+
+    def draws(place):
+        gens = [torch.Generator().manual_seed(s) for s in seeds.values()]
+        out = []
+        for _ in range(30):
+            batch = torch.randn(5, 50, generator=gen)
+            batch[list(place)] = rows
+            tokens = sampler._sample(batch, dict(zip(place, gens)))
+            out.append(tokens[list(place)].tolist())
+        return out
+    alone = [[sampler._sample(rows[i:i + 1].clone(), {0: g})[0].item() for i, g in
+              enumerate([torch.Generator().manual_seed(s) for s in seeds.values()])]]
+    first, moved = draws((0, 2)), draws((4, 1))
+    expect(first[0] == alone[0], f"seeds 7 and 8 drew {alone[0]} alone, {first[0]} as rows 0 "
+           "and 2 of a batch: a seeded row's noise comes from its generator alone")
+    expect(first == moved, "two seeded rows drew other tokens as rows 4 and 1 of a batch than "
+           "as rows 0 and 2: a seeded row's noise comes from its generator alone")
+    expect(len({tuple(t) for t in first}) > 1, "30 calls with the same seeded generators drew "
+           "the same tokens every time: a seeded generator goes on from call to call")
+    say("two seeded rows draw the same 30 tokens each as rows 0 and 2 or 4 and 1 of a batch, "
+        "and alone; a generator goes on from call to call")
 
 
 # -- 9.3 the router of a mixture of experts ----------------------------------------------------

@@ -225,6 +225,16 @@ EDITS = {
             "draws every row's noise from the batch's generator, ignoring the seeded rows' own",
             [("        for row, generator in generators.items():\n"
               "            noise[row].uniform_(generator=generator)\n", "")]),
+        "reseeds_every_call": (
+            "draws the unseeded rows' noise from a generator seeded anew at every call: each "
+            "call repeats the one before (right when all samples come from one call)",
+            [("uniform_(generator=self.generator)",
+              "uniform_(generator=torch.Generator().manual_seed(0))")]),
+        "seeded_rows_restart": (
+            "restarts each seeded row's generator from its seed at every call: the request "
+            "draws the same noise at every step",
+            [("noise[row].uniform_(generator=generator)",
+              "noise[row].uniform_(generator=torch.Generator().manual_seed(generator.initial_seed()))")]),
     },
     "lesson7_top_k": {
         "strict_count": (
