@@ -188,7 +188,8 @@ def aten_ops():
 def small_llm(**overrides):
     """The real engine (the built-in model), sized for SMALL_ENGINE's preemption and chunking."""
     from nanoserve import LLM
-    return LLM(**{**SMALL_ENGINE, **overrides})
+    with oracle():                      # (building the engine runs nanoserve's own pieces)
+        return LLM(**{**SMALL_ENGINE, **overrides})
 
 
 def prompt_ids(llm) -> list[list[int]]:

@@ -272,5 +272,9 @@ EDITS = {
         "bfloat16_softmax": (
             "takes the softmax in the logits' own dtype (bfloat16 in the engine), not float32",
             [("router_logits.float()", "router_logits")]),
+        "first_16_experts": (
+            "looks for the top_k among the first 16 experts only, enough for the small models "
+            "it was tried on",
+            [("order = torch.argsort(probs, dim=-1,", "order = torch.argsort(probs[:, :16], dim=-1,")]),
     },
 }
