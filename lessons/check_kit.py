@@ -5,7 +5,6 @@ engine with HF transformers' greedy tokens as its oracle.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import inspect
 import sys
@@ -39,21 +38,6 @@ def fake_engine():
 def expect(ok: bool, message: str) -> None:
     if not ok:
         raise AssertionError(message)
-
-
-def names_used(module) -> set[str]:
-    """Every name and attribute the module's source mentions (what it may call)."""
-    tree = ast.parse(Path(module.__file__).read_text())
-    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-    names |= {a.name.split(".")[-1] for n in ast.walk(tree)
-              if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-    return names
-
-
-def forbid(module, names: set[str], why: str) -> None:
-    used = sorted(names & names_used(module))
-    expect(not used, f"your file uses {', '.join(used)}: {why}")
 
 
 def code_of(fn) -> CodeType | None:

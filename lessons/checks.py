@@ -8,9 +8,14 @@ Every check is an oracle: the same input goes through your code and through nano
 brute-force reference), and the answers must agree. The scheduler and KV cache exercises run
 on tests/fake_engine.py, a model-free engine whose "model" stores every token through the
 block tables and reads it back, so a wrong schedule or a wrongly shared block shows up as a
-wrong output token (checks_scheduler.py). Every check is run against plausible wrong answers
-too (tests/lesson_mutants/), and must reject each of them. CI runs every check against the solutions (tests/test_lessons.py), which
-proves each check can pass; the untouched starters must fail, saying what to implement.
+wrong output token (checks_scheduler.py, checks_cache.py). Your own code must do the work
+(check_kit.own_work): the functions and methods are written in your file, and nanoserve's own
+version of the mechanism, or the reference solution, never runs while yours does, however it
+is reached. Every check runs at least two shapes (blocks of 4 and 16 tokens, GQA 2:1 and 4:1,
+...) and the cases its mechanism gets wrong most easily. Every check is run against plausible
+wrong answers too (tests/lesson_mutants/), and must reject each of them. CI runs every check
+against the solutions (tests/test_lessons.py), which proves each check can pass; the untouched
+starters must fail, saying what to implement.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # check_kit, checks_scheduler
+import checks_cache as cache  # noqa: E402
 import checks_engine as engine  # noqa: E402
 import checks_scheduler as scheduling  # noqa: E402
-from check_kit import LESSONS, aten_ops, expect, forbid, load, own_work  # noqa: E402
+from check_kit import LESSONS, aten_ops, expect, load, own_work  # noqa: E402
 
 
 # -- 1.3 the engine loop ---------------------------------------------------------------------
@@ -266,11 +272,11 @@ EXERCISES = {
     "4.3": Exercise("lesson4_cheapest_victim.py", "preempt the cheapest request to recompute",
                     scheduling.check_cheapest_victim),
     "4.4": Exercise("lesson4_allocate_slots.py", "allocate_slots, all or nothing",
-                    engine.check_allocate_slots),
+                    cache.check_allocate_slots),
     "5.3": Exercise("lesson5_hit_count_eviction.py", "evict the block with the fewest hits",
-                    scheduling.check_hit_count_eviction),
+                    cache.check_hit_count_eviction),
     "5.4": Exercise("lesson5_hash_chain.py", "the prefix-cache hash chain",
-                    engine.check_hash_chain),
+                    cache.check_hash_chain),
     "6.3": Exercise("lesson6_kv_sizing.py", "the KV budget from a config.json", check_kv_sizing),
     "7.3": Exercise("lesson7_top_k.py", "top-k by comparing and counting", check_top_k),
     "7.4": Exercise("lesson7_exponential_race.py", "the sampler's exponential race",

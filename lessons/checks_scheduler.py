@@ -1,16 +1,16 @@
-"""checks_scheduler.py: the checks of the scheduler and KV cache exercises (3.3, 3.4, 4.3, 5.3),
-run by lessons/checks.py.
+"""checks_scheduler.py: the checks of the scheduler exercises (3.3, 3.4, 4.3), run by
+lessons/checks.py.
 
 They run on tests/fake_engine.py, a model-free engine whose "model" stores every token through
 the block tables and reads it back, so a wrong schedule or a wrongly shared block shows up as
 a wrong output token. Where an exercise names a rule (an order, a tie-break, whom to evict),
 the check wraps the learner's method and compares every decision it makes with the rule,
-under memory pressure as well: preemption is where scheduling code goes wrong.
+under memory pressure as well: preemption is where scheduling code goes wrong. Every check runs
+the learner's code under check_kit.own_work, at blocks of 4 and of 16 tokens.
 """
 
 from __future__ import annotations
 
-import random
 from contextlib import nullcontext
 
 from check_kit import expect, fake_engine, oracle, own_work
@@ -273,125 +273,3 @@ def pick_mid_step(cls, running):
         request.num_computed_tokens = num_computed
         sched.running.append(request)
     return sched._pick_victim()
-
-
-# -- 5.3 hit-count eviction --------------------------------------------------------------------
-def contract(pool) -> None:
-    """Wrap the pool's touch and get_new_blocks with an oracle that counts hits itself. Every
-    block handed out is held once, out of the free queue, and no longer in the prefix cache (a
-    stale hash would serve new content as an old prefix); and the blocks taken follow the rule:
-    blocks without a hash first, then cached ones by fewest hits since they were cached, least
-    recently freed first among equals."""
-    get_new_blocks, touch = pool.get_new_blocks, pool.touch
-    hits = [0] * pool.num_blocks
-
-    def counted(blocks) -> None:
-        for b in blocks:
-            hits[b.block_id] += 1
-        touch(blocks)
-
-    def checked(n: int):
-        free = list(pool.free_queue.values())            # least recently freed first
-        cached = [b for b in free if b.block_hash is not None]
-        num_cached = max(0, n - (len(free) - len(cached)))
-        # sorted() is stable: equal hits stay in LRU order
-        want = {b.block_id for b in sorted(cached, key=lambda b: hits[b.block_id])[:num_cached]}
-        was_cached = {b.block_id: hits[b.block_id] for b in cached}
-        queue = [(b.block_id, was_cached.get(b.block_id, "-")) for b in free]
-        blocks = get_new_blocks(n)
-        expect(len(blocks) == n, f"get_new_blocks({n}) returned {len(blocks)} blocks")
-        for b in blocks:
-            expect(b.ref_cnt == 1 and b.block_id not in pool.free_queue,
-                   f"block {b.block_id}: a new block has ref_cnt 1 and leaves the free queue")
-            expect(b.block_hash is None and b not in pool.cached_blocks.values(),
-                   f"block {b.block_id} was evicted but keeps its hash: call self.uncache(block)")
-        got = {b.block_id for b in blocks if b.block_id in was_cached}
-        expect(got == want, f"get_new_blocks({n}) evicted cached blocks {sorted(got)} with hits "
-               f"{[was_cached[i] for i in sorted(got)]}; the rule takes {sorted(want)} with hits "
-               f"{[was_cached[i] for i in sorted(want)]} (free queue, least recently freed first: "
-               f"{queue}; '-' = no hash)")
-        for b in blocks:
-            hits[b.block_id] = 0                         # new content: no hits yet
-        return blocks
-    pool.get_new_blocks, pool.touch = checked, counted
-
-
-def check_hit_count_eviction(mod, say) -> None:
-    from nanoserve.kv_cache import BlockPool
-    methods = ["HitCountBlockPool.touch", "HitCountBlockPool.get_new_blocks"]
-    with own_work(mod, methods, [BlockPool.get_new_blocks], "choose the blocks yourself"):
-        for block_size in (4, 16):
-            with oracle():
-                lru = hot_and_cold(None, block_size)
-            expect(lru == 0, "LRU should have evicted the hot prefix (check bug)")
-            hits = hot_and_cold(mod.HitCountBlockPool, block_size)
-            expect(hits == 2 * block_size, f"blocks of {block_size}: hot2 hit {hits} tokens: the "
-                   f"hot prefix ({2 * block_size} tokens, hit once before) must outlive six "
-                   "one-off prompts never hit")
-        say("blocks of 4 and 16: a hot prefix survives six one-off prompts (LRU: 0 hits); every "
-            "block taken follows the rule; evicted blocks lose their hash")
-        for block_size in (4, 16):
-            retried_lookups(mod.HitCountBlockPool, block_size)
-        say("a request looked up again and again while it waits for blocks is no hit: only "
-            "blocks a request takes (touch) count")
-        sched = pooled(mod.HitCountBlockPool, 24)
-        rng = random.Random(0)
-        prefix = [3] * 8
-        spec = [(f"r{i}", prefix + [rng.randrange(50) for _ in range(rng.randint(1, 30))],
-                 rng.randint(1, 20)) for i in range(12)]
-        run_checked(fake_engine(), sched, spec)
-        expect(sched.num_preemptions_total > 0, "the pool should have preempted (check bug)")
-    say(f"12 requests in 24 blocks, {sched.num_preemptions_total} preemptions: KV invariants "
-        "hold, every token right")
-
-
-def pooled(pool, num_blocks, block_size=4, **config):
-    """A scheduler on the fake engine whose block pool is `pool` (None: nanoserve's), checked."""
-    from nanoserve.scheduler import Scheduler
-    sched = scheduler_of(Scheduler, num_blocks=num_blocks, block_size=block_size, **config)
-    if pool:
-        sched.kv.pool = pool(num_blocks, True)
-        contract(sched.kv.pool)
-    return sched
-
-
-def one_after_another(sched, spec, fake, runner) -> dict[str, int]:
-    """Run (id, prompt, max_tokens) requests one after another (the cache must remember);
-    returns each one's prefix hits, in tokens."""
-    hits = {}
-    for rid, prompt, max_tokens in spec:
-        before = sched.kv.prefix_cache_hits
-        outs, _ = fake.run(sched, [fake.make_request(rid, prompt, max_tokens)],
-                           check=lambda s: s.kv.check_invariants(), runner=runner)
-        expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
-               f"{rid} produced the wrong tokens: it was served a block whose content changed")
-        hits[rid] = sched.kv.prefix_cache_hits - before
-    return hits
-
-
-def hot_and_cold(pool, block_size) -> int:
-    """Two requests share a hot prefix of two blocks, six one-off prompts of five blocks pass
-    through 12 blocks, a third request comes back to the hot prefix: its hit, in tokens."""
-    fake, bs = fake_engine(), block_size
-    hot = [7] * (2 * bs)
-    spec = ([(f"hot{i}", hot + [i + 1] * 3, 2) for i in range(2)]
-            + [(f"cold{i}", [10 + i] * (5 * bs), 2) for i in range(6)] + [("hot2", hot + [9] * 3, 2)])
-    sched = pooled(pool, 12, bs)
-    return one_after_another(sched, spec, fake, fake.FakeRunner(12, bs))["hot2"]
-
-
-def retried_lookups(pool, block_size) -> None:
-    """Prefixes x and y are cached, never hit (x freed first). A long request fills the pool;
-    one that would hit x waits for blocks, looked up again at every step; when the long one
-    must evict, x has still no hit: it goes first (the contract checks it)."""
-    fake, u = fake_engine(), block_size // 4
-    x, y = [1] * (8 * u), [3] * (8 * u)
-    sched = pooled(pool, 12, block_size, max_model_len=256)
-    runner = fake.FakeRunner(12, block_size)
-    one_after_another(sched, [("x", x + [2], 2), ("y", y + [4], 2)], fake, runner)
-    spec = [("long", [6] * (24 * u), 12 * u), ("x-again", x + [7] * (20 * u), 2)]
-    outs, _ = fake.run(sched, [fake.make_request(*s) for s in spec], runner=runner,
-                       check=lambda s: s.kv.check_invariants())
-    for rid, prompt, max_tokens in spec:
-        expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
-               f"{rid} produced the wrong tokens")

@@ -2,7 +2,6 @@
 the row around the k-th), which no torch op shows."""
 
 import numpy as np
-import torch
 
 
 def top_k_mask(logits, top_k):
