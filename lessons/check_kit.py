@@ -36,6 +36,8 @@ def fake_engine():
 
 
 def expect(ok: bool, message: str) -> None:
+    for guard in GUARDS:              # (own_work: a violation fails at once)
+        guard.expect_clean()
     if not ok:
         raise AssertionError(message)
 
@@ -74,13 +76,14 @@ def expect_defined(mod, names) -> None:
 
 
 @contextmanager
-def own_work(mod, names, forbidden=(), why="write it yourself", no_numpy=False):
+def own_work(mod, names, forbidden=(), why="write it yourself", shun=()):
     """While the block runs, the learner's code does the work itself: `names` are defined in the
     learner's file (expect_defined), and no frame runs a `forbidden` function (nanoserve's own
     version of the mechanism) nor a function of the reference solution, however it was reached:
     imported, looked up by a string, loaded again from a private copy (a copy runs the same
-    bytecode). `no_numpy`: numpy may not run either. The check's own oracle calls go in a
-    `with oracle():` block.
+    bytecode). `shun`: modules and builtins the learner's code may not call (numpy, sorted).
+    The check's own oracle calls go in a `with oracle():` block. A violation fails the next
+    expect(), or the block's end.
 
         with own_work(mod, ["MyKVCacheManager.allocate_slots"], [KVCacheManager.allocate_slots]):
             run_the_engine_with(mod.MyKVCacheManager)
@@ -91,7 +94,7 @@ def own_work(mod, names, forbidden=(), why="write it yourself", no_numpy=False):
     if solution is not None and solution != Path(mod.__file__).resolve():
         banned |= {fingerprint(c): f"the reference solution's {c.co_qualname}"
                    for c in functions_in(solution)}
-    guard = Guard(banned, mod.__file__, no_numpy)
+    guard = Guard(banned, mod.__file__, set(shun), why)
     previous = sys.getprofile()
     sys.setprofile(guard.hook)
     GUARDS.append(guard)
@@ -100,7 +103,7 @@ def own_work(mod, names, forbidden=(), why="write it yourself", no_numpy=False):
     finally:
         GUARDS.remove(guard)
         sys.setprofile(previous)
-    expect(guard.seen is None, f"your code ran {guard.seen}: {why}")
+    guard.expect_clean()
 
 
 GUARDS: list = []       # own_work's guards now watching
@@ -122,11 +125,15 @@ class Guard:
     """own_work's profile hook: it remembers the first banned code that ran (an exception raised
     in a profile hook would switch the hook off, and the learner's code could catch it)."""
 
-    def __init__(self, banned: dict, own_file: str, no_numpy: bool):
-        self.banned, self.own_file, self.no_numpy = banned, own_file, no_numpy
+    def __init__(self, banned: dict, own_file: str, shun: set, why: str):
+        self.banned, self.own_file, self.shun, self.why = banned, own_file, shun, why
         self.verdicts: dict[int, str | None] = {}
         self.keep: list = []              # the codes judged stay alive, so their ids stay theirs
         self.seen, self.pause = None, 0
+
+    def expect_clean(self) -> None:
+        if self.seen is not None:
+            raise AssertionError(f"your code ran {self.seen}: {self.why}")
 
     def judge(self, code: CodeType) -> str | None:
         return None if code.co_filename == self.own_file else self.banned.get(fingerprint(code))
@@ -140,18 +147,20 @@ class Guard:
             if verdict == 0:
                 self.keep.append(code)
                 verdict = self.verdicts[id(code)] = self.judge(code)
-            self.seen = verdict or self.numpy(code, frame.f_back)
-        elif event == "c_call" and self.no_numpy:
-            self.seen = self.numpy(arg, frame)
+            self.seen = verdict or self.shunned(code.co_filename, code.co_name, frame.f_back)
+        elif event == "c_call" and self.shun:
+            owner = getattr(arg, "__self__", None)
+            where = getattr(arg, "__module__", None) or type(owner).__module__
+            self.seen = self.shunned(where, getattr(arg, "__name__", ""), frame)
 
-    def numpy(self, called, caller) -> str | None:
-        """numpy called by the learner's own code (torch may use it inside, that is not theirs)."""
-        if not self.no_numpy or caller is None or caller.f_code.co_filename != self.own_file:
+    def shunned(self, where: str, name: str, caller) -> str | None:
+        """A shunned module's function (from its file or its C module), or a shunned name,
+        called by the learner's own code (torch may use numpy inside: that is not theirs)."""
+        if not self.shun or caller is None or caller.f_code.co_filename != self.own_file:
             return None
-        where = getattr(called, "co_filename", None) or getattr(called, "__module__", None) or \
-            type(getattr(called, "__self__", None)).__module__
-        name = getattr(called, "co_name", None) or getattr(called, "__name__", "")
-        return f"numpy ({name})" if "numpy" in (where or "") or name == "numpy" else None
+        module = Path(where).stem if where.endswith(".py") else where.split(".")[0]
+        places = set(Path(where).parts) | {module.lstrip("_")}
+        return f"{name} ({where})" if name in self.shun or places & self.shun else None
 
 
 @contextmanager

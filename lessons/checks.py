@@ -176,6 +176,10 @@ SORTS = {"sort", "sorted", "argsort", "msort", "topk", "kthvalue", "quantile", "
          "median", "nanmedian", "unique", "mode"}
 
 
+# What orders a row outside torch: numpy (its sort, partition), Python's sorted and list.sort, heapq.
+SHUNNED = ("numpy", "heapq", "sorted", "sort")
+
+
 def top_k_cases():
     """(logits, top_k): rows full of ties, k from 1 to the vocabulary; then rows holding -inf
     (what min_p, a grammar mask or min_tokens leave), k above and below the finite count."""
@@ -212,7 +216,7 @@ def check_top_k(mod, say) -> None:
         want = sampler.apply_top_k_top_p(logits.clone(), top_k, int(top_k[top_k < vocab].max()),
                                          None)
         with own_work(mod, ["top_k_mask"], [sampler.apply_top_k_top_p],
-                      "find each row's cut-off by comparing and counting", no_numpy=True), \
+                      "find each row's cut-off by comparing and counting", SHUNNED), \
                 aten_ops() as ops:
             got = mod.top_k_mask(logits.clone(), top_k)
         sorts = sorted({name for name in ops if name.lstrip("_").split("_")[0] in SORTS})
