@@ -15,8 +15,8 @@ Interface: `_pick_victim(self) -> Request`, one of `self.running` (admission ord
 Request (nanoserve/request.py) knows its tokens and its progress; the KV cache manager
 (`self.kv`) knows its blocks.
 
-The check runs a workload that preempts on the model-free engine, checks every victim, and
-prints how many tokens each policy computed in all.
+The check runs a workload that preempts on the model-free engine, with blocks of 4 and of 16
+tokens, checks every victim, and prints how many tokens each policy computed in all.
 Check: `nanoserve exercise check 4.3`.
 """
 
