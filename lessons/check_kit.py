@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from types import CodeType
+from types import CodeType, FunctionType
 
 LESSONS = Path(__file__).resolve().parent
 # The build-the-mechanism workload: four stories, 16 greedy tokens each, in a pool so small
@@ -161,6 +161,45 @@ class Guard:
         module = Path(where).stem if where.endswith(".py") else where.split(".")[0]
         places = set(Path(where).parts) | {module.lstrip("_")}
         return f"{name} ({where})" if name in self.shun or places & self.shun else None
+
+
+@contextmanager
+def untouched(path: Path):
+    """The learner's file (at `path`) may not replace functions of nanoserve, of the checks or of
+    the model-free engine with its own code: a patched oracle agrees with anything. What it
+    replaced is put back, and the check fails."""
+    before = functions_of_ours(path)
+    try:
+        yield
+    finally:
+        replaced = [(owner, name, before.get((owner, name)))
+                    for (owner, name), fn in functions_of_ours(path).items()
+                    if getattr(code_of(fn), "co_filename", None) == str(path)]
+        for owner, name, fn in replaced:
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+    expect(not replaced, "your code replaced " + ", ".join(
+        f"{getattr(owner, '__qualname__', owner.__name__)}.{name}" for owner, name, _ in replaced)
+        + ": leave nanoserve and the check as they are")
+
+
+def functions_of_ours(learners: Path) -> dict:
+    """{(module or class, name): function} over the loaded modules of nanoserve, lessons/ and
+    tests/ (the learner's file aside), and their classes."""
+    roots = tuple(str(LESSONS.parent / d) for d in ("nanoserve", "lessons", "tests"))
+    found = {}
+    for module in list(sys.modules.values()):
+        file = str(getattr(module, "__file__", None) or "")
+        if not file.startswith(roots) or file == str(learners):
+            continue
+        owners = [module] + [v for v in vars(module).values()
+                             if isinstance(v, type) and v.__module__ == module.__name__]
+        found.update({(owner, name): value for owner in owners
+                      for name, value in list(vars(owner).items())
+                      if isinstance(value, (FunctionType, staticmethod, classmethod))})
+    return found
 
 
 @contextmanager

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))    # check_kit, checks_
 import checks_cache as cache  # noqa: E402
 import checks_engine as engine  # noqa: E402
 import checks_scheduler as scheduling  # noqa: E402
-from check_kit import LESSONS, aten_ops, expect, load, own_work  # noqa: E402
+from check_kit import LESSONS, aten_ops, expect, load, own_work, untouched  # noqa: E402
 
 
 # -- 1.3 the engine loop ---------------------------------------------------------------------
@@ -176,7 +176,7 @@ SORTS = {"sort", "sorted", "argsort", "msort", "topk", "kthvalue", "quantile", "
          "median", "nanmedian", "unique", "mode"}
 
 
-# What orders a row outside torch: numpy (its sort, partition), Python's sorted and list.sort, heapq.
+# What orders a row outside torch: numpy (sort, partition), Python's sorted and list.sort, heapq.
 SHUNNED = ("numpy", "heapq", "sorted", "sort")
 
 
@@ -304,9 +304,10 @@ def check(exercise_id: str, solution: bool = False, say=print, path: Path | None
     say(f"exercise {exercise_id}, {EXERCISES[exercise_id].title}: "
         f"{path.relative_to(LESSONS.parent) if LESSONS.parent in path.parents else path}")
     try:
-        mod = load(path)
-        mod.reference_solution = path_of(exercise_id, solution=True)    # (own_work bans it)
-        EXERCISES[exercise_id].check(mod, lambda line: say(f"  ok   {line}"))
+        with untouched(path):
+            mod = load(path)
+            mod.reference_solution = path_of(exercise_id, solution=True)  # (own_work bans it)
+            EXERCISES[exercise_id].check(mod, lambda line: say(f"  ok   {line}"))
     except NotImplementedError as e:
         say(f"  FAIL not implemented yet: {e}")
         return False

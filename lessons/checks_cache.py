@@ -292,7 +292,8 @@ def hot_and_cold(pool, block_size) -> int:
     fake, bs = fake_engine(), block_size
     hot = [7] * (2 * bs)
     spec = ([(f"hot{i}", hot + [i + 1] * 3, 2) for i in range(2)]
-            + [(f"cold{i}", [10 + i] * (5 * bs), 2) for i in range(6)] + [("hot2", hot + [9] * 3, 2)])
+            + [(f"cold{i}", [10 + i] * (5 * bs), 2) for i in range(6)]
+            + [("hot2", hot + [9] * 3, 2)])
     sched = pooled(pool, 12, bs)
     return one_after_another(sched, spec, fake, fake.FakeRunner(12, bs))["hot2"]
 

@@ -3,8 +3,6 @@ keeps a heap of the k largest: it orders them, and its work grows with k."""
 
 import heapq
 
-import torch
-
 
 def top_k_mask(logits, top_k):
     out = logits.clone()
