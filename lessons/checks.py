@@ -72,7 +72,8 @@ def reference_attention():
     from nanoserve import paged_attention
     from nanoserve.cpu import kernels
     return [paged_attention.paged_attention_torch, paged_attention.attend_each,
-            paged_attention._gather_kv, paged_attention._attend_one, kernels.attention_kernel]
+            paged_attention._gather_kv, paged_attention._attend_one, kernels.attention_kernel,
+            kernels.load]
 
 
 def paged_case(gen, seq_len, block_size, heads, kv_heads, dim):
@@ -230,6 +231,16 @@ def check_top_k(mod, say) -> None:
                "the rest to -inf; rows with top_k >= vocab keep everything; a row may hold -inf")
     say("6 rows with ties, top_k 1..vocab; 5 rows holding -inf, k above and below the finite "
         "count: equal to nanoserve's sampler, no row ordered, no numpy")
+    logits = next(top_k_cases())[0]
+    ops_for = {}
+    for k in (2, logits.shape[1] - 2):
+        with own_work(mod, ["top_k_mask"]), aten_ops() as ops:
+            mod.top_k_mask(logits.clone(), torch.full((logits.shape[0],), k))
+        ops_for[k] = len(ops)
+    few, many = ops_for.values()
+    expect(many <= 2 * few + 20, f"with k = 2 your code ran {few} torch ops, with k = "
+           f"{logits.shape[1] - 2} {many}: the work per row must not grow with k")
+    say(f"the same work for k = 2 and k = vocab - 2 ({few} and {many} torch ops)")
 
 
 # -- 8.3 the n-gram proposer ------------------------------------------------------------------
