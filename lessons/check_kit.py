@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+import threading
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -97,13 +98,17 @@ def own_work(mod, names, forbidden=(), why="write it yourself", shun=()):
     guard = Guard(banned, mod.__file__, set(shun), why)
     previous = sys.getprofile()
     sys.setprofile(guard.hook)
+    threading.setprofile(guard.hook)            # (threads the learner's code starts)
     GUARDS.append(guard)
     try:
         yield
     finally:
         GUARDS.remove(guard)
+        watched = sys.getprofile() == guard.hook
+        threading.setprofile(None)
         sys.setprofile(previous)
     guard.expect_clean()
+    expect(watched, "your code switched off the profile hook that watches it")
 
 
 GUARDS: list = []       # own_work's guards now watching
@@ -148,6 +153,9 @@ class Guard:
                 self.keep.append(code)
                 verdict = self.verdicts[id(code)] = self.judge(code)
             self.seen = verdict or self.shunned(code.co_filename, code.co_name, frame.f_back)
+        elif event == "c_call" and (arg is sys.setprofile or arg is sys.settrace) \
+                and frame.f_code.co_filename != __file__:
+            self.seen = f"{arg.__module__}.{arg.__name__}: the check watches your code"
         elif event == "c_call" and self.shun:
             owner = getattr(arg, "__self__", None)
             where = getattr(arg, "__module__", None) or type(owner).__module__
