@@ -93,8 +93,8 @@ def own_work(mod, names, forbidden=(), why="write it yourself", shun=()):
     banned = {fingerprint(code_of(f)): f"nanoserve's {f.__qualname__}" for f in forbidden}
     solution = getattr(mod, "reference_solution", None)
     if solution is not None and solution != Path(mod.__file__).resolve():
-        banned |= {fingerprint(c): f"the reference solution's {c.co_qualname}"
-                   for c in functions_in(solution)}
+        banned |= {fingerprint(c): "the reference solution's "
+                   + getattr(c, "co_qualname", c.co_name) for c in functions_in(solution)}
     guard = Guard(banned, mod.__file__, set(shun), why)
     previous = sys.getprofile()
     sys.setprofile(guard.hook)
