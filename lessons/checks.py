@@ -8,113 +8,125 @@ Every check is an oracle: the same input goes through your code and through nano
 brute-force reference), and the answers must agree. The scheduler and KV cache exercises run
 on tests/fake_engine.py, a model-free engine whose "model" stores every token through the
 block tables and reads it back, so a wrong schedule or a wrongly shared block shows up as a
-wrong output token (checks_scheduler.py). Every check is run against plausible wrong answers
-too (tests/lesson_mutants/), and must reject each of them. CI runs every check against the solutions (tests/test_lessons.py), which
-proves each check can pass; the untouched starters must fail, saying what to implement.
+wrong output token (checks_scheduler.py, checks_cache.py). Your own code must do the work
+(check_kit.own_work): the functions and methods are written in your file, and nanoserve's own
+version of the mechanism, or the reference solution, never runs while yours does, however it
+is reached. Every check runs at least two shapes (blocks of 4 and 16 tokens, GQA 2:1 and 4:1,
+...) and the cases its mechanism gets wrong most easily. Every check is run against plausible
+wrong answers too (tests/lesson_mutants/), and must reject each of them. CI runs every check
+against the solutions (tests/test_lessons.py), which proves each check can pass; the untouched
+starters must fail, saying what to implement.
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))    # check_kit, checks_scheduler
+import checks_cache as cache  # noqa: E402
 import checks_clinic as clinic  # noqa: E402
 import checks_engine as engine  # noqa: E402
 import checks_scheduler as scheduling  # noqa: E402
-from check_kit import LESSONS, expect, forbid, load  # noqa: E402
+from check_kit import LESSONS, aten_ops, expect, load, own_work, untouched  # noqa: E402
 
 
 # -- 1.3 the engine loop ---------------------------------------------------------------------
 def check_engine_loop(mod, say) -> None:
     from nanoserve import LLM, SamplingParams
+    from nanoserve.engine_core import run_busy_loop
+    loops = [LLM.generate, LLM.stream, LLM._run, LLM._steps, run_busy_loop]
     # Two seats for three prompts, and a pool so small that a running request is preempted:
-    # not every request gets a token in every step.
-    llm = LLM(block_size=4, num_kv_blocks=8, max_model_len=32, max_num_seqs=2)
-    prompts = [llm.tokenizer.encode(t) for t in
-               ("Once upon a time", "The cat sat on the mat", "Tom and Lily went to the park")]
-    got = mod.generate(llm.engine, prompts, 12)
-    expect(llm.engine.scheduler.num_preemptions_total > 0, "no preemption happened (check bug)")
-    pool = llm.engine.kv_cache_manager.pool
-    expect(not llm.engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks,
-           "after generate() the engine must be idle with every block free: return only once "
-           "every request has finished")
-    want = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), progress=False)]
-    expect(got == want, f"your tokens differ from LLM.generate's:\n  yours: {got}\n  LLM:   {want}")
-    say("3 prompts, 12 tokens each, 2 seats, preempted on the way: token for token the same as "
-        "LLM.generate; every block freed")
+    # not every request gets a token in every step. Blocks of 4 tokens, then of 16.
+    for block_size, num_blocks in ((4, 8), (16, 2)):
+        llm = LLM(block_size=block_size, num_kv_blocks=num_blocks, max_model_len=32,
+                  max_num_seqs=2)
+        prompts = [llm.tokenizer.encode(t) for t in
+                   ("Once upon a time", "The cat sat on the mat", "Tom and Lily went to the park")]
+        core, steps = llm.engine, []
+        step = core.step
+        core.step = lambda: steps.append(sys._getframe(1).f_code.co_filename) or step()
+        with own_work(mod, ["generate"], loops, "drive core.step() in your own loop"):
+            got = mod.generate(core, prompts, 12)
+        del core.step
+        expect(steps and set(steps) == {mod.__file__}, f"{len(steps)} steps, "
+               f"{steps.count(mod.__file__)} of them called by your own code: call core.step() "
+               "yourself, in your loop")
+        expect(core.scheduler.num_preemptions_total > 0, "no preemption happened (check bug)")
+        pool = core.kv_cache_manager.pool
+        expect(not core.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks,
+               "after generate() the engine must be idle with every block free: return only "
+               "once every request has finished")
+        want = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), progress=False)]
+        expect(got == want, f"block_size {block_size}: your tokens differ from LLM.generate's:"
+               f"\n  yours: {got}\n  LLM:   {want}")
+    say("3 prompts, 12 tokens each, 2 seats, blocks of 4 and of 16, preempted on the way: token "
+        "for token the same as LLM.generate, every step from your loop; every block freed")
 
 
 # -- 2.3 paged decode attention ------------------------------------------------------------------
-REFERENCE_ATTENTION = {"paged_attention_torch", "_gather_kv", "_attend_one", "paged_attention_cpu",
-                       "paged_attention_triton"}
+def reference_attention():
+    from nanoserve import paged_attention
+    from nanoserve.cpu import kernels
+    return [paged_attention.paged_attention_torch, paged_attention.attend_each,
+            paged_attention._gather_kv, paged_attention._attend_one, kernels.attention_kernel,
+            kernels.load]
 
 
-@contextmanager
-def refused(module, names):
-    """While the learner's code runs, nanoserve's own attention answers with a failure."""
-    saved = {n: getattr(module, n) for n in names if hasattr(module, n)}
+def paged_case(gen, seq_len, block_size, heads, kv_heads, dim):
+    """Caches full of garbage (a correct read never looks past the request's seq_len slots), the
+    request's K/V stored through a shuffled block table, a query; and dense K/V to compare."""
+    import torch
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("your code called nanoserve's paged attention: read K and V "
-                             "through the block table yourself")
-    for name in saved:
-        setattr(module, name, refuse)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+    from nanoserve.paged_attention import store_kv_torch
+    num_blocks = 3 * -(-seq_len // block_size) + 2
+    k_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
+    v_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
+    table = torch.randperm(num_blocks, generator=gen)[:-(-seq_len // block_size)].tolist()
+    k, v = (torch.randn(seq_len, kv_heads, dim, generator=gen) for _ in range(2))
+    pos = torch.arange(seq_len)
+    slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+    store_kv_torch(k, v, k_cache, v_cache, slots)
+    return k_cache, v_cache, table, k, v, torch.randn(heads, dim, generator=gen)
 
 
 def check_paged_decode(mod, say) -> None:
     import torch
-
-    from nanoserve import paged_attention
-    from nanoserve.paged_attention import AttentionMetadata, paged_attention_torch, store_kv_torch
-    forbid(mod, REFERENCE_ATTENTION, "read K and V through the block table yourself")
     gen = torch.Generator().manual_seed(0)
-    num_blocks, block_size, heads, kv_heads, dim = 16, 4, 4, 2, 8
-    for seq_len in (1, 4, 5, 13):
-        # Garbage everywhere: a correct read never looks past the request's own seq_len slots.
-        k_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
-        v_cache = torch.full((num_blocks, block_size, kv_heads, dim), 1e4)
-        table = torch.randperm(num_blocks, generator=gen)[:-(-seq_len // block_size)].tolist()
-        k, v = (torch.randn(seq_len, kv_heads, dim, generator=gen) for _ in range(2))
-        pos = torch.arange(seq_len)
-        slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-        store_kv_torch(k, v, k_cache, v_cache, slots)
-        query = torch.randn(heads, dim, generator=gen)
-        with refused(paged_attention, REFERENCE_ATTENTION):
-            got = mod.paged_decode_attention(query, k_cache, v_cache, list(table), seq_len,
-                                             dim ** -0.5)
-        expect(tuple(got.shape) == (heads, dim), f"the output must be [num_heads, head_dim] = "
-               f"[{heads}, {dim}] (got {list(got.shape)})")
-        dense = torch.nn.functional.scaled_dot_product_attention(
-            query[:, None], k.transpose(0, 1).repeat_interleave(2, 0),
-            v.transpose(0, 1).repeat_interleave(2, 0))[:, 0]
-        meta = AttentionMetadata(slots[-1:], torch.tensor([table], dtype=torch.int32),
-                                 torch.tensor([seq_len], dtype=torch.int32),
-                                 torch.tensor([0, 1], dtype=torch.int32), 1)
-        paged = paged_attention_torch(query[None], k_cache, v_cache, meta, dim ** -0.5)[0]
-        expect(torch.allclose(dense, paged, atol=1e-5), "the oracles disagree (a bug in the check)")
-        expect(torch.allclose(got, dense, atol=1e-4),
-               f"seq_len {seq_len}, block_table {table}: your output differs from dense attention "
-               f"by {(got - dense).abs().max():.3g} (read only the first seq_len slots, in "
-               f"block-table order; each KV head serves {heads // kv_heads} query heads)")
-    say("seq_len 1, 4, 5, 13 over shuffled block tables, GQA 4:2: equal to dense SDPA and to "
-        "nanoserve's paged_attention_torch")
+    shapes = [(4, 4, 2, 8, 8 ** -0.5), (16, 8, 2, 16, 0.3), (16, 4, 4, 8, 1.0)]
+    for block_size, heads, kv_heads, dim, scale in shapes:
+        for seq_len in (1, block_size, block_size + 1, 3 * block_size + 1):
+            k_cache, v_cache, table, k, v, query = paged_case(gen, seq_len, block_size, heads,
+                                                             kv_heads, dim)
+            with own_work(mod, ["paged_decode_attention"], reference_attention(),
+                          "read K and V through the block table yourself"):
+                got = mod.paged_decode_attention(query, k_cache, v_cache, list(table), seq_len,
+                                                 scale)
+            expect(tuple(got.shape) == (heads, dim), f"the output must be [num_heads, head_dim] "
+                   f"= [{heads}, {dim}] (got {list(got.shape)})")
+            group = heads // kv_heads
+            dense = torch.nn.functional.scaled_dot_product_attention(
+                query[:, None], k.transpose(0, 1).repeat_interleave(group, 0),
+                v.transpose(0, 1).repeat_interleave(group, 0), scale=scale)[:, 0]
+            expect(torch.allclose(got, dense, atol=1e-4),
+                   f"block_size {block_size}, {heads} query heads over {kv_heads} KV heads, scale "
+                   f"{scale:.3g}, seq_len {seq_len}, block_table {table}: your output differs "
+                   f"from dense attention by {(got - dense).abs().max():.3g} (read only the "
+                   f"first seq_len slots, in block-table order; each KV head serves "
+                   f"{group} consecutive query heads; scale the scores by `scale`)")
+    say("blocks of 4 and 16, GQA 2:1, 4:1 and none, scales 8^-0.5, 0.3 and 1, seq_len from 1 to "
+        "3 blocks + 1 over shuffled block tables: equal to dense SDPA")
 
 
 # -- 6.3 KV sizing ------------------------------------------------------------------------------
 def check_kv_sizing(mod, say) -> None:
     import json
     import tempfile
+    from dataclasses import replace
 
     from nanoserve.tools.memory import memory_report
     llama = LESSONS.parent / "examples" / "llama-3-8b-config.json"
@@ -133,23 +145,32 @@ def check_kv_sizing(mod, say) -> None:
              (folder / "no_kv_heads_field.json", dict(device_memory_gb=80))]
     for path, case in cases:
         r = memory_report(model=str(tiny.parent if path == tiny else path), **case)
-        got = mod.kv_bytes_per_token(json.loads(path.read_text()), r.kv_cache_dtype.itemsize,
-                                     r.tensor_parallel_size)
+        with own_work(mod, ["kv_bytes_per_token"], reference_sizing(), "compute it yourself"):
+            got = mod.kv_bytes_per_token(json.loads(path.read_text()), r.kv_cache_dtype.itemsize,
+                                         r.tensor_parallel_size)
         expect(got == r.kv_bytes_per_token, f"{path.name} {case}: kv_bytes_per_token {got}, "
                f"nanoserve memory says {r.kv_bytes_per_token} per GPU")
     say(f"bytes per token on one GPU agree with `nanoserve memory` on {len(cases)} setups "
         "(TP 2 and 16, fp8, an explicit head_dim, no num_key_value_heads)")
-    for seqs in (8, 12, 20):
-        r = memory_report(model=str(llama), device_memory_gb=24)
-        length = mod.max_model_len_for(r.num_blocks, r.block_size, seqs)
-        fits = memory_report(model=str(llama), device_memory_gb=24, max_model_len=length).num_seqs
-        more = memory_report(model=str(llama), device_memory_gb=24,
-                             max_model_len=length + r.block_size).num_seqs
-        expect(fits >= seqs > more, f"max_model_len_for(..., {seqs}) = {length}: at that length "
-               f"{fits} sequences fit, at {length + r.block_size} {more}; the answer is the "
-               f"largest length at which {seqs} fit")
-    say("max_model_len_for: the largest length at which 8, 12, 20 sequences of Llama-3-8B fit "
-        "on 24 GiB")
+    for block_size, seqs in ((16, 8), (16, 12), (32, 20), (8, 7)):
+        r = memory_report(model=str(llama), device_memory_gb=24, block_size=block_size)
+        with own_work(mod, ["max_model_len_for"], reference_sizing(), "compute it yourself"):
+            length = mod.max_model_len_for(r.num_blocks, r.block_size, seqs)
+        fits, more = (replace(r, max_model_len=n).num_seqs for n in (length, length + 1))
+        expect(fits >= seqs > more, f"max_model_len_for({r.num_blocks}, {block_size}, {seqs}) = "
+               f"{length}: at that length {fits} sequences fit, at {length + 1} {more}; the "
+               f"answer is the largest length at which {seqs} fit, a whole number of blocks")
+    say("max_model_len_for: the largest length at which 7 to 20 sequences of Llama-3-8B fit on "
+        "24 GiB, in blocks of 8, 16 and 32 tokens")
+
+
+def reference_sizing():
+    from nanoserve import model_loader
+    from nanoserve.models import geometry
+    from nanoserve.tools import memory
+    return [model_loader.kv_cache_bytes_per_token, geometry.get_num_kv_heads,
+            geometry.get_head_size, memory.memory_report,
+            memory.MemoryReport.num_seqs.fget, memory.MemoryReport.blocks_per_seq.fget]
 
 
 # -- 7.3 top-k without a sort -----------------------------------------------------------------
@@ -157,18 +178,33 @@ SORTS = {"sort", "sorted", "argsort", "msort", "topk", "kthvalue", "quantile", "
          "median", "nanmedian", "unique", "mode"}
 
 
+# What orders a row outside torch: numpy (sort, partition), Python's sorted and list.sort, heapq.
+SHUNNED = ("numpy", "heapq", "sorted", "sort")
+
+
+def top_k_cases():
+    """(logits, top_k): rows full of ties, k from 1 to the vocabulary; then rows holding -inf
+    (what min_p, a grammar mask or min_tokens leave), k above and below the finite count."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000
+    yield ((torch.randn(6, vocab, generator=gen) * 3).round(),
+           torch.tensor([1, 5, 50, vocab, 3, vocab - 1]))
+    vocab, inf = 4096, float("-inf")
+    logits = torch.randn(5, vocab, generator=gen) * 100
+    logits[0, ::2] = inf
+    logits[1, 10:] = inf
+    logits[2, 1:] = inf
+    logits[3, torch.randperm(vocab, generator=gen)[:4000]] = inf
+    yield logits, torch.tensor([3, 20, 1, 96, vocab])
+
+
 def check_top_k(mod, say) -> None:
     import ast
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
-    from nanoserve.sampler import apply_top_k_top_p
-    gen = torch.Generator().manual_seed(0)
-    vocab = 1000
-    logits = (torch.randn(6, vocab, generator=gen) * 3).round()     # many ties
-    top_k = torch.tensor([1, 5, 50, vocab, 3, vocab - 1])
-    want = apply_top_k_top_p(logits.clone(), top_k, int(top_k[top_k < vocab].max()), None)
+    from nanoserve import sampler
     # A sort shows in the source (any spelling: torch.sort, a name imported early, Python's
     # sorted) or, at run time, as an aten op below torch's Python API (quantile, unique, ...).
     named = sorted({node.attr if isinstance(node, ast.Attribute) else node.id
@@ -177,22 +213,35 @@ def check_top_k(mod, say) -> None:
                     and (node.attr if isinstance(node, ast.Attribute) else node.id) in SORTS})
     expect(not named, f"your file uses {', '.join(named)}: find each row's cut-off by comparing "
            "and counting, without ordering a row")
-    ops: list[tuple[str, tuple]] = []
-
-    class Watch(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append((func.overloadpacket.__name__, args))
-            return func(*args, **(kwargs or {}))
-    with Watch():
-        got = mod.top_k_mask(logits.clone(), top_k)
-    sorts = sorted({name for name, _ in ops if name.lstrip("_").split("_")[0] in SORTS})
-    expect(not sorts, f"your code ordered a row ({', '.join(sorts)}): find each row's cut-off "
-           "by comparing and counting")
-    expect(got.shape == want.shape and torch.equal(got, want),
-           f"rows {sorted(set(torch.nonzero(got != want)[:, 0].tolist()))} differ from nanoserve's "
-           "top-k: keep each row's k largest logits and every logit tied with the k-th, set the "
-           "rest to -inf; rows with top_k >= vocab keep everything")
-    say("6 rows with ties, top_k 1..vocab: equal to nanoserve's sampler, no row ordered")
+    for logits, top_k in top_k_cases():
+        vocab = logits.shape[1]
+        want = sampler.apply_top_k_top_p(logits.clone(), top_k, int(top_k[top_k < vocab].max()),
+                                         None)
+        with own_work(mod, ["top_k_mask"], [sampler.apply_top_k_top_p],
+                      "find each row's cut-off by comparing and counting", SHUNNED), \
+                aten_ops() as ops:
+            got = mod.top_k_mask(logits.clone(), top_k)
+        sorts = sorted({name for name in ops if name.lstrip("_").split("_")[0] in SORTS})
+        expect(not sorts, f"your code ordered a row ({', '.join(sorts)}): find each row's "
+               "cut-off by comparing and counting")
+        rows = sorted(set(torch.nonzero(got != want)[:, 0].tolist())) if got.shape == want.shape \
+            else "all"
+        expect(got.shape == want.shape and torch.equal(got, want),
+               f"vocab {vocab}, top_k {top_k.tolist()}: rows {rows} differ from nanoserve's "
+               "top-k: keep each row's k largest logits and every logit tied with the k-th, set "
+               "the rest to -inf; rows with top_k >= vocab keep everything; a row may hold -inf")
+    say("6 rows with ties, top_k 1..vocab; 5 rows holding -inf, k above and below the finite "
+        "count: equal to nanoserve's sampler, no row ordered, no numpy")
+    logits = next(top_k_cases())[0]
+    ops_for = {}
+    for k in (2, logits.shape[1] - 2):
+        with own_work(mod, ["top_k_mask"]), aten_ops() as ops:
+            mod.top_k_mask(logits.clone(), torch.full((logits.shape[0],), k))
+        ops_for[k] = len(ops)
+    few, many = ops_for.values()
+    expect(many <= 2 * few + 20, f"with k = 2 your code ran {few} torch ops, with k = "
+           f"{logits.shape[1] - 2} {many}: the work per row must not grow with k")
+    say(f"the same work for k = 2 and k = vocab - 2 ({few} and {many} torch ops)")
 
 
 # -- 8.3 the n-gram proposer ------------------------------------------------------------------
@@ -201,20 +250,21 @@ def check_ngram_proposer(mod, say) -> None:
 
     from nanoserve.spec_decode import NgramProposer
     rng = random.Random(0)
-    cases = 0
-    for vocab in (2, 3, 5, 20):
-        for _ in range(600):
-            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
-            k, low = rng.randint(1, 6), rng.randint(1, 3)
-            high = low + rng.randint(0, 3)
-            want = NgramProposer(k, low, high).propose(seq, max_drafts=k)
-            got = mod.propose(list(seq), k, low, high)
-            expect(list(got) == want, f"propose({seq}, k={k}, min_n={low}, max_n={high}) gave "
-                   f"{list(got)}, nanoserve proposes {want}: the k tokens after the longest "
-                   "(then most recent) earlier match of the last n tokens, min_n <= n <= max_n")
-            cases += 1
-    say(f"{cases} random sequences over vocabularies of 2 to 20 tokens: the same drafts as "
-        "nanoserve's NgramProposer")
+    cases = []
+    for vocab in (2, 3, 5, 20):          # sequences up to 160 tokens, n-grams up to 10
+        for _ in range(300):
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, 160))]
+            k, low = rng.randint(1, 8), rng.randint(1, 4)
+            high = low + rng.randint(0, 6)
+            cases.append((seq, k, low, high, NgramProposer(k, low, high).propose(seq, k)))
+    with own_work(mod, ["propose"], [NgramProposer.propose], "find the match yourself"):
+        got = [list(mod.propose(list(seq), k, low, high)) for seq, k, low, high, _ in cases]
+    for (seq, k, low, high, want), mine in zip(cases, got):
+        expect(mine == want, f"propose({seq}, k={k}, min_n={low}, max_n={high}) gave {mine}, "
+               f"nanoserve proposes {want}: the k tokens after the longest (then most recent) "
+               "earlier match of the last n tokens, min_n <= n <= max_n")
+    say(f"{len(cases)} random sequences of up to 160 tokens over vocabularies of 2 to 20 tokens, "
+        "n-grams up to 10, k up to 8: the same drafts as nanoserve's NgramProposer")
 
 
 class Exercise(NamedTuple):
@@ -238,11 +288,11 @@ EXERCISES = {
     "4.3": Exercise("lesson4_cheapest_victim.py", "preempt the cheapest request to recompute",
                     scheduling.check_cheapest_victim),
     "4.4": Exercise("lesson4_allocate_slots.py", "allocate_slots, all or nothing",
-                    engine.check_allocate_slots),
+                    cache.check_allocate_slots),
     "5.3": Exercise("lesson5_hit_count_eviction.py", "evict the block with the fewest hits",
-                    scheduling.check_hit_count_eviction),
+                    cache.check_hit_count_eviction),
     "5.4": Exercise("lesson5_hash_chain.py", "the prefix-cache hash chain",
-                    engine.check_hash_chain),
+                    cache.check_hash_chain),
     "6.3": Exercise("lesson6_kv_sizing.py", "the KV budget from a config.json", check_kv_sizing),
     "7.3": Exercise("lesson7_top_k.py", "top-k by comparing and counting", check_top_k),
     "7.4": Exercise("lesson7_exponential_race.py", "the sampler's exponential race",
@@ -267,7 +317,10 @@ def check(exercise_id: str, solution: bool = False, say=print, path: Path | None
     say(f"exercise {exercise_id}, {EXERCISES[exercise_id].title}: "
         f"{path.relative_to(LESSONS.parent) if LESSONS.parent in path.parents else path}")
     try:
-        EXERCISES[exercise_id].check(load(path), lambda line: say(f"  ok   {line}"))
+        with untouched(path):
+            mod = load(path)
+            mod.reference_solution = path_of(exercise_id, solution=True)  # (own_work bans it)
+            EXERCISES[exercise_id].check(mod, lambda line: say(f"  ok   {line}"))
     except NotImplementedError as e:
         say(f"  FAIL not implemented yet: {e}")
         return False

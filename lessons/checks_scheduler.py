@@ -1,18 +1,19 @@
-"""checks_scheduler.py: the checks of the scheduler and KV cache exercises (3.3, 3.4, 4.3, 5.3),
-run by lessons/checks.py.
+"""checks_scheduler.py: the checks of the scheduler exercises (3.3, 3.4, 4.3), run by
+lessons/checks.py.
 
 They run on tests/fake_engine.py, a model-free engine whose "model" stores every token through
 the block tables and reads it back, so a wrong schedule or a wrongly shared block shows up as
 a wrong output token. Where an exercise names a rule (an order, a tie-break, whom to evict),
 the check wraps the learner's method and compares every decision it makes with the rule,
-under memory pressure as well: preemption is where scheduling code goes wrong.
+under memory pressure as well: preemption is where scheduling code goes wrong. Every check runs
+the learner's code under check_kit.own_work, at blocks of 4 and of 16 tokens.
 """
 
 from __future__ import annotations
 
-import random
+from contextlib import nullcontext
 
-from check_kit import expect, fake_engine
+from check_kit import expect, fake_engine, oracle, own_work
 
 
 # -- 3.3 shortest job first; 3.4 static batching ------------------------------------------------
@@ -70,19 +71,52 @@ def shortest_first(queue):
 
 
 def check_shortest_job_first(mod, say) -> None:
-    from nanoserve.scheduler import Scheduler
+    from nanoserve.scheduler import Scheduler, WaitingQueue
     fake = fake_engine()
-    # (id, prompt, max_tokens): job sizes 30, 9, 22, 5, 14, 40, 24, all waiting at step 1.
-    # Ordered by prompt, by max_tokens and by their sum, they give three different orders.
-    spec = [(f"r{i}", [i + 1] * p, m) for i, (p, m) in
+    methods = [f"ShortestJobFirstQueue.{m}" for m in
+               ("add", "peek", "pop", "remove", "__len__", "__iter__")]
+    with own_work(mod, methods, [WaitingQueue.add, WaitingQueue.peek, WaitingQueue.pop],
+                  "keep the waiting requests yourself"):
+        sjf_one_seat(fake, mod, say)
+        # Pools so small that requests are preempted and come back with add(front=True): every
+        # admission must still be the shortest job waiting. Blocks of 4 tokens, then of 16.
+        for block_size, num_blocks in ((4, 12), (16, 5)):
+            sched = scheduler_of(Scheduler, num_blocks=num_blocks, block_size=block_size)
+            sched.waiting = shortest_first(mod.ShortestJobFirstQueue())
+            run_checked(fake, sched, SJF_SPEC)
+            expect(sched.num_preemptions_total > 0, "the pool should have preempted (check bug)")
+        for block_size, num_blocks in ((4, 16), (16, 5)):
+            sjf_after_preemption(fake, mod, block_size, num_blocks)
+        say("blocks of 4 and 16, pools that preempt: every admission the shortest job waiting, "
+            "a preempted one included (its outputs are computed again: it is no shorter); "
+            "every token right")
+        sched = scheduler_of(Scheduler)
+        sched.waiting = mod.ShortestJobFirstQueue()
+        for s in SJF_SPEC:
+            sched.add_request(fake.make_request(*s))
+        sched.abort(["r2"])
+        expect(len(sched.waiting) == len(SJF_SPEC) - 1 and
+               all(r.request_id != "r2" for r in sched.waiting),
+               "an aborted waiting request must leave the queue (remove)")
+        say("abort removes a waiting request")
+
+
+# (id, prompt, max_tokens): job sizes 30, 9, 22, 5, 14, 40, 24, all waiting at step 1. Ordered
+# by prompt, by max_tokens and by their sum, they give three different orders.
+SJF_SPEC = [(f"r{i}", [i + 1] * p, m) for i, (p, m) in
             enumerate([(10, 20), (3, 6), (12, 10), (2, 3), (6, 8), (15, 25), (20, 4)])]
-    order = sorted(spec, key=lambda s: len(s[1]) + s[2])
+
+
+def sjf_one_seat(fake, mod, say) -> None:
+    from nanoserve.scheduler import Scheduler
+    order = sorted(SJF_SPEC, key=lambda s: len(s[1]) + s[2])
     mean = {}
     for name, make_queue in (("FCFS", None), ("SJF", mod.ShortestJobFirstQueue)):
         sched = scheduler_of(Scheduler, max_num_seqs=1)
         if make_queue:
             sched.waiting = make_queue()
-        _, steps = run_checked(fake, sched, spec)
+        with oracle() if make_queue is None else nullcontext():
+            _, steps = run_checked(fake, sched, SJF_SPEC)
         first, last = first_and_last_steps(steps)
         mean[name] = sum(last.values()) / len(last)
     admitted = sorted(first, key=first.get)
@@ -102,32 +136,26 @@ def check_shortest_job_first(mod, say) -> None:
            "equal job sizes: the request that arrived first must go first (arrival_time), "
            "whatever order they were added in")
     say("equal sizes go by arrival_time, not by the order they were added")
-    # A pool so small that requests are preempted and come back with add(front=True): every
-    # admission must still be the shortest job waiting.
-    sched = scheduler_of(Scheduler, num_blocks=12)
+
+
+def sjf_after_preemption(fake, mod, block_size, num_blocks) -> None:
+    """Two jobs of 44 tokens fill the pool; the later one is preempted with 28 outputs, and a
+    job of 20 tokens arrives then. The preempted job has lost its outputs with its blocks: it
+    is still a job of 44 tokens, and the new one goes first (and fits)."""
+    from nanoserve.scheduler import Scheduler
+    sched = scheduler_of(Scheduler, num_blocks=num_blocks, block_size=block_size)
     sched.waiting = shortest_first(mod.ShortestJobFirstQueue())
-    run_checked(fake, sched, spec)
+    late, arrived = fake.make_request("late", [9] * 10, 10), []
+
+    def arrive(s):
+        s.kv.check_invariants()
+        if s.num_preemptions_total and not arrived:
+            arrived.append(s.add_request(late))
+    fake.run(sched, [fake.make_request(f"long{i}", [i + 1] * 4, 40) for i in range(2)],
+             check=arrive)
     expect(sched.num_preemptions_total > 0, "the small pool should have preempted (check bug)")
-    # Two long jobs fill the pool; a shorter one arrives after them and waits for blocks. The
-    # long one preempted later comes back with front=True, yet the shorter one goes first.
-    sched = scheduler_of(Scheduler, num_blocks=12)
-    sched.waiting = shortest_first(mod.ShortestJobFirstQueue())
-    late = fake.make_request("late", [9] * 20, 2)
-    fake.run(sched, [fake.make_request(f"long{i}", [i + 1] * 16, 16) for i in range(2)],
-             check=lambda s: s.kv.check_invariants() or (s.num_steps == 1 and s.add_request(late)))
-    expect(sched.num_preemptions_total > 0, "the small pool should have preempted (check bug)")
-    expect(late.output_token_ids == fake.reference_tokens([9] * 20, 2),
+    expect(late.output_token_ids == fake.reference_tokens([9] * 10, 10),
            "request late produced the wrong tokens")
-    say("12 blocks: preempted requests re-queued; every admission the shortest job waiting, "
-        "a preempted one included; every token right")
-    sched = scheduler_of(Scheduler)
-    sched.waiting = mod.ShortestJobFirstQueue()
-    for s in spec:
-        sched.add_request(fake.make_request(*s))
-    sched.abort(["r2"])
-    expect(len(sched.waiting) == len(spec) - 1 and all(r.request_id != "r2" for r in sched.waiting),
-           "an aborted waiting request must leave the queue (remove)")
-    say("abort removes a waiting request")
 
 
 def one_batch_at_a_time(sched) -> None:
@@ -158,149 +186,90 @@ def check_static_batching(mod, say) -> None:
     spec = [(f"r{i}", [i + 1] * 6, 4 if i % 2 else 32) for i in range(8)]
     continuous = scheduler_of(Scheduler, max_num_seqs=4)
     _, cont_steps = run_checked(fake, continuous, spec)
-    static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4)
-    one_batch_at_a_time(static)
-    _, steps = run_checked(fake, static, spec)
-    first, _ = first_and_last_steps(steps)
-    expect(len(set(first.values())) > 1, "no request waited: every request ran in one batch?")
-    say(f"no request joins a running batch; {len(set(first.values()))} batches")
-    expect(len(steps) > len(cont_steps), "static batching should need more steps than continuous")
-    say(f"8 requests of 4 or 32 tokens, 4 seats: {len(steps)} steps static vs "
-        f"{len(cont_steps)} continuous")
-    # A pool too small for a whole batch: members are preempted while their batch runs.
-    static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4, num_blocks=16)
-    one_batch_at_a_time(static)
-    run_checked(fake, static, spec)
-    expect(static.num_preemptions_total > 0, "the small pool should have preempted (check bug)")
-    say(f"16 blocks: {static.num_preemptions_total} members preempted, each resumed before any "
-        "new request; every token right, no block leaked")
+    with own_work(mod, ["StaticBatchScheduler.schedule"]):
+        static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4)
+        one_batch_at_a_time(static)
+        _, steps = run_checked(fake, static, spec)
+        first, _ = first_and_last_steps(steps)
+        expect(len(set(first.values())) > 1, "no request waited: every request ran in one batch?")
+        say(f"no request joins a running batch; {len(set(first.values()))} batches")
+        expect(len(steps) > len(cont_steps), "static batching should need more steps than "
+               "continuous")
+        say(f"8 requests of 4 or 32 tokens, 4 seats: {len(steps)} steps static vs "
+            f"{len(cont_steps)} continuous")
+        # Pools too small for a whole batch: members are preempted while their batch runs.
+        for block_size, num_blocks in ((4, 16), (16, 5)):
+            static = scheduler_of(mod.StaticBatchScheduler, max_num_seqs=4,
+                                  num_blocks=num_blocks, block_size=block_size)
+            one_batch_at_a_time(static)
+            run_checked(fake, static, spec)
+            expect(static.num_preemptions_total > 0, "the pool should have preempted (check bug)")
+    say("16 blocks of 4, 5 blocks of 16: members preempted, each resumed before any new "
+        "request; every token right, no block leaked")
 
 
 # -- 4.3 cheapest victim -----------------------------------------------------------------------
 def check_cheapest_victim(mod, say) -> None:
     from nanoserve.scheduler import Scheduler
-    fake = fake_engine()
-    # Short prompts admitted first, long ones last: the default victim is the costly one.
+    computed = {}
+    with own_work(mod, ["CheapestVictimScheduler._pick_victim"], [Scheduler._pick_victim],
+                  "choose the victim yourself"):
+        for block_size, num_blocks in ((4, 14), (16, 4)):
+            with oracle():
+                last = victims_in_a_run(Scheduler, block_size, num_blocks)
+            computed[block_size] = (last, victims_in_a_run(mod.CheapestVictimScheduler,
+                                                           block_size, num_blocks))
+        say("14 blocks of 4, 4 blocks of 16: every victim had the fewest computed tokens (not "
+            "always the last admitted); every token right")
+        # Mid-step, as in schedule(): a request may already hold blocks for tokens not yet
+        # computed, so blocks held (or tokens known) are not the cost.
+        for running, want, rule in (
+                ([("a", 4, 12), ("b", 6, 6)], "a", "fewest computed tokens, not fewest blocks"),
+                ([("p", 7, 7), ("q", 5, 5), ("r", 5, 5), ("s", 9, 9)], "r",
+                 "among equals, the latest in self.running")):
+            victim = pick_mid_step(mod.CheapestVictimScheduler, running)
+            expect(victim.request_id == want, f"running {[(r, c) for r, c, _ in running]} "
+                   f"(id, computed tokens): the victim is {want} ({rule}), not "
+                   f"{victim.request_id}")
+    say("ties go to the latest admitted; cost is computed tokens, not blocks held")
+    say("tokens computed in all, recomputation included, last admitted vs cheapest: "
+        + ", ".join(f"{a} vs {b} in blocks of {size}" for size, (a, b) in computed.items()))
+
+
+def victims_in_a_run(cls, block_size, num_blocks) -> int:
+    """Short prompts admitted first, long ones last: the default victim is the costly one. Each
+    victim must have the fewest computed tokens; returns the tokens computed in all."""
+    from nanoserve.scheduler import Scheduler
     spec = [(f"r{i}", [i + 1] * p, m) for i, (p, m) in
             enumerate([(2, 24), (3, 24), (2, 24), (30, 8), (28, 8)])]
-    computed = {}
-    for name, cls in (("last admitted", Scheduler), ("cheapest", mod.CheapestVictimScheduler)):
-        sched = scheduler_of(cls, num_blocks=14)
-        not_last = 0
-        pick = sched._pick_victim
+    sched = scheduler_of(cls, num_blocks=num_blocks, block_size=block_size)
+    pick, not_last = sched._pick_victim, []
 
-        def checked():
-            nonlocal not_last
-            victim = pick()
-            least = min(r.num_computed_tokens for r in sched.running)
-            expect(victim in sched.running and victim.num_computed_tokens == least,
-                   f"victim {victim.request_id} has {victim.num_computed_tokens} computed "
-                   f"tokens; a running request has only {least}")
-            not_last += victim is not sched.running[-1]
-            return victim
-        if cls is not Scheduler:
-            sched._pick_victim = checked
-        _, steps = run_checked(fake, sched, spec)
-        computed[name] = sum(out.total_num_scheduled_tokens for out in steps)
-    expect(not_last > 0, "every victim was the last admitted: the cheapest is not always last")
-    say(f"14 blocks: every victim had the fewest computed tokens ({not_last} of them not the "
-        f"last admitted); every token right")
-    # Mid-step, as in schedule(): a request may already hold blocks for tokens not yet
-    # computed, so blocks held are not the cost. (id, computed tokens, tokens allocated)
-    for running, want, rule in (
-            ([("a", 4, 12), ("b", 6, 6)], "a", "fewest computed tokens, not fewest blocks"),
-            ([("p", 7, 7), ("q", 5, 5), ("r", 5, 5), ("s", 9, 9)], "r",
-             "among equals, the latest in self.running")):
-        sched = scheduler_of(mod.CheapestVictimScheduler)
-        for rid, num_computed, allocated in running:
-            request = fake.make_request(rid, list(range(1, allocated + 1)), 4)
-            sched.add_request(request)
-            sched.waiting.remove(request)
-            sched.kv.allocate_slots(request, allocated)
-            request.num_computed_tokens = num_computed
-            sched.running.append(request)
-        victim = sched._pick_victim()
-        expect(victim.request_id == want, f"running {[(r, c) for r, c, _ in running]} "
-               f"(id, computed tokens): the victim is {want} ({rule}), not {victim.request_id}")
-    say("ties go to the latest admitted; cost is computed tokens, not blocks held")
-    say(f"tokens computed in all, recomputation included: {computed['last admitted']} (last "
-        f"admitted) vs {computed['cheapest']} (cheapest)")
+    def checked():
+        victim = pick()
+        least = min(r.num_computed_tokens for r in sched.running)
+        expect(victim in sched.running and victim.num_computed_tokens == least,
+               f"victim {victim.request_id} has {victim.num_computed_tokens} computed tokens; a "
+               f"running request has only {least}")
+        not_last.append(victim is not sched.running[-1])
+        return victim
+    if cls is not Scheduler:
+        sched._pick_victim = checked
+    _, steps = run_checked(fake_engine(), sched, spec)
+    expect(cls is Scheduler or any(not_last), f"blocks of {block_size}: every victim was the "
+           "last admitted: the cheapest is not always last (check bug)")
+    return sum(out.total_num_scheduled_tokens for out in steps)
 
 
-# -- 5.3 hit-count eviction --------------------------------------------------------------------
-def contract(pool) -> None:
-    """Wrap the pool's touch and get_new_blocks with an oracle that counts hits itself. Every
-    block handed out is held once, out of the free queue, and no longer in the prefix cache (a
-    stale hash would serve new content as an old prefix); and the blocks taken follow the rule:
-    blocks without a hash first, then cached ones by fewest hits since they were cached, least
-    recently freed first among equals."""
-    get_new_blocks, touch = pool.get_new_blocks, pool.touch
-    hits = [0] * pool.num_blocks
-
-    def counted(blocks) -> None:
-        for b in blocks:
-            hits[b.block_id] += 1
-        touch(blocks)
-
-    def checked(n: int):
-        free = list(pool.free_queue.values())            # least recently freed first
-        cached = [b for b in free if b.block_hash is not None]
-        num_cached = max(0, n - (len(free) - len(cached)))
-        # sorted() is stable: equal hits stay in LRU order
-        want = {b.block_id for b in sorted(cached, key=lambda b: hits[b.block_id])[:num_cached]}
-        was_cached = {b.block_id: hits[b.block_id] for b in cached}
-        queue = [(b.block_id, was_cached.get(b.block_id, "-")) for b in free]
-        blocks = get_new_blocks(n)
-        expect(len(blocks) == n, f"get_new_blocks({n}) returned {len(blocks)} blocks")
-        for b in blocks:
-            expect(b.ref_cnt == 1 and b.block_id not in pool.free_queue,
-                   f"block {b.block_id}: a new block has ref_cnt 1 and leaves the free queue")
-            expect(b.block_hash is None and b not in pool.cached_blocks.values(),
-                   f"block {b.block_id} was evicted but keeps its hash: call self.uncache(block)")
-        got = {b.block_id for b in blocks if b.block_id in was_cached}
-        expect(got == want, f"get_new_blocks({n}) evicted cached blocks {sorted(got)} with hits "
-               f"{[was_cached[i] for i in sorted(got)]}; the rule takes {sorted(want)} with hits "
-               f"{[was_cached[i] for i in sorted(want)]} (free queue, least recently freed first: "
-               f"{queue}; '-' = no hash)")
-        for b in blocks:
-            hits[b.block_id] = 0                         # new content: no hits yet
-        return blocks
-    pool.get_new_blocks, pool.touch = checked, counted
-
-
-def check_hit_count_eviction(mod, say) -> None:
-    from nanoserve.scheduler import Scheduler
+def pick_mid_step(cls, running):
+    """The victim cls picks among `running`: (id, computed tokens, tokens allocated)."""
     fake = fake_engine()
-    hot = [7] * 8                                     # two blocks every hot request shares
-    spec = ([(f"hot{i}", hot + [i + 1] * 3, 2) for i in range(2)]
-            + [(f"cold{i}", [10 + i] * 20, 2) for i in range(6)] + [("hot2", hot + [9] * 3, 2)])
-    hits: dict[str, dict[str, int]] = {}
-    for name, pool in (("LRU", None), ("hit count", mod.HitCountBlockPool)):
-        sched = scheduler_of(Scheduler, num_blocks=12)
-        if pool:
-            sched.kv.pool = pool(12, True)
-            contract(sched.kv.pool)
-        runner, hits[name] = fake.FakeRunner(12, 4), {}
-        for rid, prompt, max_tokens in spec:          # one after another: the cache must remember
-            before = sched.kv.prefix_cache_hits
-            outs, _ = fake.run(sched, [fake.make_request(rid, prompt, max_tokens)],
-                               check=lambda s: s.kv.check_invariants(), runner=runner)
-            expect(outs[rid] == fake.reference_tokens(prompt, max_tokens),
-                   f"{rid} produced the wrong tokens: it was served a block whose content changed")
-            hits[name][rid] = sched.kv.prefix_cache_hits - before
-    expect(hits["LRU"]["hot2"] == 0, "LRU should have evicted the hot prefix (check bug)")
-    expect(hits["hit count"]["hot2"] == 8, f"hot2 hit {hits['hit count']['hot2']} tokens: the "
-           "hot prefix (8 tokens, hit once before) must outlive six one-off prompts never hit")
-    say("a hot prefix survives six one-off prompts: hot2 hits 8 tokens (LRU: 0); every block "
-        "taken follows the rule; evicted blocks lose their hash")
-    sched = scheduler_of(Scheduler, num_blocks=24)
-    sched.kv.pool = mod.HitCountBlockPool(24, True)
-    contract(sched.kv.pool)
-    rng = random.Random(0)
-    prefix = [3] * 8
-    spec = [(f"r{i}", prefix + [rng.randrange(50) for _ in range(rng.randint(1, 30))],
-             rng.randint(1, 20)) for i in range(12)]
-    run_checked(fake, sched, spec)
-    expect(sched.num_preemptions_total > 0, "the pool should have preempted (check bug)")
-    say(f"12 requests in 24 blocks, {sched.num_preemptions_total} preemptions: KV invariants "
-        "hold, every token right")
+    sched = scheduler_of(cls)
+    for rid, num_computed, allocated in running:
+        request = fake.make_request(rid, list(range(1, allocated + 1)), 4)
+        sched.add_request(request)
+        sched.waiting.remove(request)
+        sched.kv.allocate_slots(request, allocated)
+        request.num_computed_tokens = num_computed
+        sched.running.append(request)
+    return sched._pick_victim()

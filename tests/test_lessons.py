@@ -362,11 +362,16 @@ def test_check_rejects_every_wrong_answer(eid, tmp_path):
     (test_exercise_passes_on_its_solution: it accepts the reference)."""
     mutants = mutants_of(eid, tmp_path)
     assert len(mutants) >= 2, f"exercise {eid}: fewer than two wrong answers in {MUTANTS}"
+    verdicts = []
     for mutant in mutants:
         said = []
         assert not checks.check(eid, say=said.append, path=mutant), f"{mutant.name} passed"
-        verdict = "\n".join(said)
-        assert "FAIL" in verdict and "raised" not in verdict, (mutant.name, verdict)
+        verdicts.append("\n".join(said))
+        assert "FAIL" in verdicts[-1] and "raised" not in verdicts[-1], (mutant.name, verdicts[-1])
+    # One wrong answer, at least, hands the work to someone else's code (nanoserve's, the
+    # reference solution's, a library's): the check must say it is not the learner's own.
+    assert any(re.search(r"FAIL (your code ran|write .* in your own file)", v) for v in verdicts), \
+        f"exercise {eid}: no wrong answer that hands the work to someone else's code"
 
 
 ANSWERS = assets.answer_files()

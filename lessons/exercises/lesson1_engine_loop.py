@@ -4,7 +4,8 @@ Goal: `generate(core, prompts, max_tokens)` returns what `LLM.generate` would fo
 token-id prompts (greedy, exactly `max_tokens` tokens each, EOS ignored), driving the engine
 core yourself: one list of output token ids per prompt, in the order of `prompts`. When it
 returns, the engine must be idle, every block free. The check runs it with two seats for
-three prompts in a pool so small that requests get preempted.
+three prompts in a pool so small that requests get preempted, with blocks of 4 and of 16
+tokens; every core.step() must come from your own loop (LLM.generate may not run).
 
 The engine core's interface (nanoserve/engine_core.py, EngineCore):
     core.add_request(Request(request_id, prompt_token_ids, sampling_params))

@@ -17,8 +17,10 @@ yours inside the real engine):
     -> (positions [num_tokens], slot_mapping [num_tokens], query_start_loc [num_reqs + 1]),
        all int64; num_tokens = num_scheduled.sum(); requests in order, no padding.
 
-The check runs the built-in model with your indices in a pool small enough to preempt, with a
-token budget small enough to chunk prompts, and compares its greedy tokens with HF transformers'.
+The check compares your indices with nanoserve's on batches with blocks of 8, 16 and 32 tokens,
+then runs the built-in model with your indices (blocks of 4 and of 16) in a pool small enough to
+preempt, with a token budget small enough to chunk prompts, and compares its greedy tokens with
+HF transformers'.
 Check: `nanoserve exercise check 2.4`.
 """
 

@@ -13,6 +13,9 @@ Interface:
 - num_heads may be a multiple of num_kv_heads (grouped-query attention: lesson 2's primer).
 - Every slot that is not one of the request's seq_len tokens holds garbage, on purpose.
 
+The check runs blocks of 4 and of 16 tokens, 2, 4 and 1 query heads per KV head, scales other
+than head_dim ** -0.5, against dense attention; nanoserve's paged attention may not run.
+
 Check: `nanoserve exercise check 2.3`.
 """
 

@@ -18,8 +18,10 @@ request.num_computed_tokens, and self._make_room(request, num_new_tokens), which
 request's slots, preempting running requests (the request itself last) until they fit, and
 returns the preempted ones (each already out of self.running).
 
-The check runs your scheduler on the model-free engine beside nanoserve's and then inside the
-real engine, with a pool that preempts and a budget that chunks, against HF's greedy tokens.
+The check runs your scheduler on the model-free engine beside nanoserve's (requests arriving over
+the first steps, under the `fcfs` and the `priority` policy: there a victim may be a request
+scheduled earlier in the same step; blocks of 4 and of 16 tokens), and then inside the real
+engine, with a pool that preempts and a budget that chunks, against HF's greedy tokens.
 Check: `nanoserve exercise check 3.5`.
 """
 

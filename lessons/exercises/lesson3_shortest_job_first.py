@@ -15,7 +15,8 @@ Interface, what the scheduler calls:
     len(queue), iter(queue)     how many wait, and who (the trace lists them)
 
 The check installs it with `scheduler.waiting = ShortestJobFirstQueue()`, on the model-free
-engine: one seat, then a pool so small that requests are preempted and come back.
+engine: one seat, then pools so small that requests are preempted and come back (a request
+preempted after many outputs among them), with blocks of 4 and of 16 tokens.
 Check: `nanoserve exercise check 3.3`.
 """
 

@@ -10,7 +10,7 @@ before any request that never ran.
 Interface: the same as Scheduler's (nanoserve/scheduler.py): `schedule()` returns the step's
 SchedulerOutput; `self.running`, `self.waiting` (a WaitingQueue) and `self.config` are there
 to use. The check runs it beside the real (continuous) scheduler on the same requests, with
-a pool big enough for a whole batch and with one that is not.
+a pool big enough for a whole batch and with ones that are not (blocks of 4 and of 16 tokens).
 Check: `nanoserve exercise check 3.4`.
 """
 

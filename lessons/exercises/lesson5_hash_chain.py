@@ -14,7 +14,10 @@ Interface (nanoserve/kv_cache.py, KVCacheManager):
         you to keep what you computed (the list you return may be that list).
 Use hashlib (sha256 is what nanoserve and vLLM use); not nanoserve's own hash_block.
 
-The check runs requests one after another (repeated blocks, a block met before at another
+The check first asks your chain for the hashes of prompts whose blocks must not collide (token
+ids such as [1, 23] and [12, 3], 257 and 1, ids above 65535, a block after two parents) or must
+(equal prefixes), with blocks of 4 and of 16 tokens. Then it runs requests one after another
+(repeated blocks, a block met before at another
 position, a prompt that continues an earlier request's output) on the model-free engine beside
 nanoserve's manager: every request must hit as many cached tokens as with nanoserve's chain.
 Then the real engine with your manager, against HF's greedy tokens.

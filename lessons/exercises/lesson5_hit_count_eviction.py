@@ -15,7 +15,9 @@ Interface (nanoserve/kv_cache.py, BlockPool), the two methods to override:
                         out of the prefix cache if it was in it (`self.uncache(block)`)
 
 The check installs it with `kv_cache_manager.pool = HitCountBlockPool(num_blocks, True)` and
-checks every choice your pool makes against its own count of hits.
+checks every choice your pool makes against its own count of hits (blocks a request takes,
+touch(); a request looked up again and again while it waits for blocks takes none), with
+blocks of 4 and of 16 tokens.
 Check: `nanoserve exercise check 5.3`.
 """
 

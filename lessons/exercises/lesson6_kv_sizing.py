@@ -11,7 +11,8 @@ Two functions behind `nanoserve memory` and the engine's start-up:
 
 The check compares them with `nanoserve memory` on Llama-3-8B (also at 2 and 16 GPUs, and in
 fp8), on nanoserve-tiny, and on variants of Llama-3-8B's config (its own head_dim; no
-num_key_value_heads).
+num_key_value_heads); max_model_len_for with blocks of 8, 16 and 32 tokens, and one token more
+than your answer must not fit.
 Check: `nanoserve exercise check 6.3`.
 """
 

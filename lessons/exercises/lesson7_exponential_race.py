@@ -15,9 +15,11 @@ Interface (nanoserve/sampler.py, Sampler):
 Use torch.Generator-aware random functions (`tensor.uniform_(generator=...)`); for the argmax,
 `.argmax(dim=-1)`.
 
-The check draws thousands of tokens from one row and compares the frequencies with the softmax,
-moves a seeded row around a batch, then runs the real engine with your sampler: a seeded
-request must give the same tokens alone and in a mixed batch, greedy rows HF's tokens.
+The check draws thousands of tokens, in one call and over many calls (the engine calls you once a
+step: every call draws fresh noise), and compares the frequencies with the softmax; moves two
+seeded rows around a batch for many calls (a request's generator goes on from step to step);
+then runs the real engine with your sampler: a seeded request must give the same tokens alone
+and in a mixed batch, greedy rows HF's tokens.
 Check: `nanoserve exercise check 7.4`.
 """
 

@@ -9,7 +9,8 @@ amount of work per row that does not grow with k (hint: a float32 has 2^32 possi
 
 Interface: `logits` is [num_rows, vocab] float32; `top_k` is [num_rows] int64; return a tensor
 shaped like `logits`. The check compares it with nanoserve's sampler on rows full of ties, with
-k from 1 to the vocabulary, and rejects every op that orders a row.
+k from 1 to the vocabulary, and on rows holding -inf (what min_p, a grammar mask or min_tokens
+leave), and rejects every op that orders a row, numpy and Python's sorting included.
 Check: `nanoserve exercise check 7.3`.
 """
 

@@ -12,7 +12,8 @@ the start, followed by [1, 2, 3] (the more recent [9] at position 5 is a shorter
 
 Interface: `token_ids` is a list of ints (prompt + output so far); return a list of ints. The
 check compares your drafts with nanoserve's (nanoserve/spec_decode.py:NgramProposer) on
-thousands of random sequences over small vocabularies, where matches of every length occur.
+a thousand random sequences of up to 160 tokens over small vocabularies, where matches of every
+length occur, with n-grams up to 10 tokens.
 Check: `nanoserve exercise check 8.3`.
 """
 

@@ -17,8 +17,9 @@ engine); return (weights, ids): weights a float32 tensor [tokens, top_k], ids an
 outputs are summed), and neither does which of two tied experts you pick.
 
 The check compares your router with nanoserve's (nanoserve/layers.py:select_experts) on small
-cases, then puts it into the real engine (every FusedMoE's `custom_routing_function`) on a tiny
-random Qwen3-MoE and a tiny Mixtral, and asks for HF transformers' greedy tokens.
+cases and on 60 and 128 experts up to top-8, then puts it into the real engine (every
+FusedMoE's `custom_routing_function`) on a tiny random Qwen3-MoE and a tiny Mixtral, and asks
+for HF transformers' greedy tokens.
 Check: `nanoserve exercise check 9.3`.
 """
 

@@ -29,6 +29,16 @@ EDITS = {
         "whole_last_block": (
             "attends over every slot of the request's blocks, the unfilled tail of the last included",
             [(".flatten(0, 1)[:seq_len]", ".flatten(0, 1)")]),
+        "group_of_two": (
+            "pairs query head h with KV head h // 2: right for 4 query heads over 2 KV heads, "
+            "wrong for any other grouping",
+            [("k = k.repeat_interleave(group, dim=1)",
+              "k = k[:, torch.arange(query.shape[0]) // 2 % k.shape[1]]"),
+             ("v = v.repeat_interleave(group, dim=1)",
+              "v = v[:, torch.arange(query.shape[0]) // 2 % v.shape[1]]")]),
+        "default_scale": (
+            "scales the scores by head_dim ** -0.5, not by the `scale` it is given",
+            [("* scale", "* query.shape[-1] ** -0.5")]),
     },
     "lesson3_shortest_job_first": {
         "prompt_only": ("a job's size taken as its prompt alone",
@@ -41,6 +51,11 @@ EDITS = {
             "equal sizes go in the order they were added, not by arrival (a preempted request "
             "is added again long after it arrived)",
             [(", request.arrival_time)", ", 0)")]),
+        "outputs_not_recomputed": (
+            "sizes a job by the tokens it has left to generate: a preempted request seems to "
+            "shrink, though its outputs so far are lost with its blocks and computed again",
+            [("request.num_prompt_tokens + request.max_tokens",
+              "request.num_prompt_tokens + request.max_tokens - request.num_output_tokens")]),
     },
     "lesson3_static_batching": {
         "drops_preempted": (
@@ -76,6 +91,18 @@ EDITS = {
         "most_recent_among_equals": (
             "among equal hits, the most recently freed instead of the least",
             [("sorted(self.free_queue.values(),", "sorted(reversed(self.free_queue.values()),")]),
+        "counts_lookups": (
+            "counts a hit at every lookup of a cached block, though a request that waits for "
+            "free blocks is looked up again at every step: its prefix seems hot",
+            [("    def touch(self, blocks) -> None:\n"
+              "        for block in blocks:\n"
+              "            self.hits[block.block_id] += 1\n",
+              "    def get_cached_block(self, block_hash):\n"
+              "        block = super().get_cached_block(block_hash)\n"
+              "        if block is not None:\n"
+              "            self.hits[block.block_id] += 1\n"
+              "        return block\n\n"
+              "    def touch(self, blocks) -> None:\n")]),
     },
     "lesson6_kv_sizing": {
         "k_only": ("counts K but not V", [("return 2 * config", "return config")]),
@@ -91,6 +118,13 @@ EDITS = {
         "tokens_not_blocks": (
             "shares the pool's tokens among the sequences, forgetting whole blocks",
             [("num_blocks // num_seqs * block_size", "num_blocks * block_size // num_seqs")]),
+        "one_token_short": (
+            "answers one token short of whole blocks: the sequences fit, but the length is not "
+            "the largest that does",
+            [("return num_blocks // num_seqs * block_size", "return num_blocks // num_seqs * block_size - 1")]),
+        "block_size_16": (
+            "counts every block as 16 tokens (nanoserve memory's default), whatever the block size",
+            [("num_blocks // num_seqs * block_size", "num_blocks // num_seqs * 16")]),
     },
     "lesson2_batch_indices": {
         "positions_from_zero": (
@@ -107,6 +141,9 @@ EDITS = {
             "takes the offset in the block from the token's place in this step, not from its "
             "position in the request",
             [("+ positions % block_size", "+ offset_in_request % block_size")]),
+        "offset_modulo_4": (
+            "takes the offset in the block modulo 4, the block size it was tried with",
+            [("+ positions % block_size", "+ positions % 4")]),
     },
     "lesson3_chunked_running": {
         "no_budget_cap": (
@@ -122,6 +159,15 @@ EDITS = {
             "ends the step's running half whenever someone was preempted, though the requests "
             "admitted before the victim still have their blocks",
             [("if request in victims:", "if victims:")]),
+        "victims_never_scheduled": (
+            "assumes a victim is always behind the request (true under FCFS): under `priority` "
+            "a victim scheduled earlier in the step keeps its tokens",
+            [("            for victim in victims:\n"
+              "                budget += scheduled.pop(victim.request_id, 0)\n", "")]),
+        "next_index": (
+            "moves on to the next index, as if no victim could sit ahead of the request (true "
+            "under FCFS): under `priority` one request is skipped",
+            [("i = self.running.index(request) + 1", "i += 1")]),
     },
     "lesson4_allocate_slots": {
         "floor_blocks": (
@@ -134,7 +180,18 @@ EDITS = {
               "held = self.req_to_block_ids.setdefault(request.request_id, [])")]),
         "one_block_spare": (
             "always takes one block more than needed, just in case",
-            [("- len(held))", "- len(held)) + 1")]),
+            [("- len(new_computed_blocks))", "- len(new_computed_blocks)) + 1")]),
+        "free_hits_counted_twice": (
+            "counts a hit block nobody holds as free too, though the hit takes it out of the "
+            "free queue: the pool runs short in the middle of the call",
+            [("if num_new_blocks > self.pool.num_free_blocks - free_hits:",
+              "if num_new_blocks > self.pool.num_free_blocks:")]),
+        "hit_blocks_allocated_anew": (
+            "takes new blocks for the tokens the prefix hit brings, as if the hit held none",
+            [("- len(held) - len(new_computed_blocks))", "- len(held))")]),
+        "never_caches": (
+            "never enters a full block into the prefix cache: no later request can hit it",
+            [("        if self.enable_caching:", "        if False:")]),
     },
     "lesson5_hash_chain": {
         "no_parent": (
@@ -148,6 +205,14 @@ EDITS = {
         "parent_is_first_block": (
             "chains every block to the first block's hash instead of its own parent's",
             [("hashes[-1] if hashes", "hashes[0] if hashes")]),
+        "digits_without_separator": (
+            "writes a block's token ids as digits run together: [1, 23] and [12, 3] collide",
+            [('array("q", tokens[i * size:(i + 1) * size]).tobytes()',
+              '"".join(map(str, tokens[i * size:(i + 1) * size])).encode()')]),
+        "one_byte_per_token": (
+            "keeps one byte of each token id: 257 and 1 collide (vocabularies are larger)",
+            [('array("q", tokens[i * size:(i + 1) * size]).tobytes()',
+              'bytes(t % 256 for t in tokens[i * size:(i + 1) * size])')]),
     },
     "lesson7_exponential_race": {
         "uniform_noise": (
@@ -160,6 +225,16 @@ EDITS = {
             "draws every row's noise from the batch's generator, ignoring the seeded rows' own",
             [("        for row, generator in generators.items():\n"
               "            noise[row].uniform_(generator=generator)\n", "")]),
+        "reseeds_every_call": (
+            "draws the unseeded rows' noise from a generator seeded anew at every call: each "
+            "call repeats the one before (right when all samples come from one call)",
+            [("uniform_(generator=self.generator)",
+              "uniform_(generator=torch.Generator().manual_seed(0))")]),
+        "seeded_rows_restart": (
+            "restarts each seeded row's generator from its seed at every call: the request "
+            "draws the same noise at every step",
+            [("noise[row].uniform_(generator=generator)",
+              "noise[row].uniform_(generator=torch.Generator().manual_seed(generator.initial_seed()))")]),
     },
     "lesson7_top_k": {
         "strict_count": (
@@ -181,6 +256,13 @@ EDITS = {
         "suffix_matches_itself": (
             "lets the last n tokens match themselves, which proposes nothing useful",
             [("range(end - n - 1, -1, -1)", "range(end - n, -1, -1)")]),
+        "recent_window": (
+            "looks for the match only among the last 32 tokens: right on short sequences",
+            [("for start in range(end - n - 1, -1, -1):",
+              "for start in range(end - n - 1, max(-1, end - 33), -1):")]),
+        "n_capped_at_6": (
+            "never tries an n-gram longer than 6, whatever max_n says",
+            [("range(max_n, min_n - 1, -1)", "range(min(max_n, 6), min_n - 1, -1)")]),
     },
     "lesson9_router": {
         "always_renormalizes": (
@@ -190,5 +272,9 @@ EDITS = {
         "bfloat16_softmax": (
             "takes the softmax in the logits' own dtype (bfloat16 in the engine), not float32",
             [("router_logits.float()", "router_logits")]),
+        "first_16_experts": (
+            "looks for the top_k among the first 16 experts only, enough for the small models "
+            "it was tried on",
+            [("order = torch.argsort(probs, dim=-1,", "order = torch.argsort(probs[:, :16], dim=-1,")]),
     },
 }
