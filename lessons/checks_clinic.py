@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import fields
 from pathlib import Path
 
-from check_kit import expect
+from check_kit import expect, own_work
 
 # Each patient's flags as they came in (lessons/10-clinic.md), and the workload of B and C:
 # (requests, prompt tokens, output tokens).
@@ -50,7 +50,7 @@ def run(flags: dict, workload: tuple[int, int, int]):
 def prescription(mod, mystery: str) -> dict:
     """The patient's flags with the learner's changes over them."""
     from nanoserve import Config
-    flags = mod.prescribe(mystery)
+    flags = ask(mod, "prescribe", mystery)
     names = {f.name for f in fields(Config)}
     expect(isinstance(flags, dict) and flags, f"prescribe({mystery!r}) must return the flags to "
            f"change, as {{config field: new value}} (got {flags!r})")
@@ -58,6 +58,15 @@ def prescription(mod, mystery: str) -> dict:
     expect(not unknown, f"prescribe({mystery!r}): {', '.join(unknown)} is no Config field (write "
            "max_num_batched_tokens, not --max-num-batched-tokens)")
     return {**FLAWED[mystery], **flags}
+
+
+def ask(mod, name: str, mystery: str):
+    """The learner's answer `name`(mystery), their own: neither the reference solution's nor
+    this check's runs (run, memory_report) may give it."""
+    from nanoserve.tools.memory import memory_report
+    with own_work(mod, ["evidence", "prescribe"], [run, memory_report],
+                  "read the evidence off the lesson's runs, and prescribe, yourself"):
+        return getattr(mod, name)(mystery)
 
 
 def check_clinic(mod, say) -> None:
@@ -77,7 +86,8 @@ def diagnose(mod, say) -> None:
     pool = memory_report(**FLAWED["A"])
     tokens = pool.num_blocks * pool.block_size
     flags = prescription(mod, "A")
-    expect(mod.evidence("A") == tokens, f"A: evidence('A') = {mod.evidence('A')}: the refusal says "
+    answer = ask(mod, "evidence", "A")
+    expect(answer == tokens, f"A: evidence('A') = {answer}: the refusal says "
            f"how many tokens the KV cache holds; read it again")
     try:
         llm = LLM(**flags)
@@ -95,7 +105,8 @@ def diagnose(mod, say) -> None:
     # B: a slow first token. The evidence: the step at which the last request got its first token.
     _, _, slow = run(FLAWED["B"], WORKLOAD["B"])
     flags = prescription(mod, "B")
-    expect(mod.evidence("B") == slow, f"B: evidence('B') = {mod.evidence('B')}: read again, in "
+    answer = ask(mod, "evidence", "B")
+    expect(answer == slow, f"B: evidence('B') = {answer}: read again, in "
            "the trace, the step at which the last request samples its first token")
     _, _, fixed = run(flags, WORKLOAD["B"])
     _, _, default = run({}, WORKLOAD["B"])
@@ -106,7 +117,8 @@ def diagnose(mod, say) -> None:
     # C: a preemption storm. The evidence: how many preemptions the run had.
     storm_steps, storm, _ = run(FLAWED["C"], WORKLOAD["C"])
     flags = prescription(mod, "C")
-    expect(mod.evidence("C") == storm, f"C: evidence('C') = {mod.evidence('C')}: count the "
+    answer = ask(mod, "evidence", "C")
+    expect(answer == storm, f"C: evidence('C') = {answer}: count the "
            "preemptions again (the workload's report, the trace or /metrics' num_preemptions_total)")
     steps, preempted, _ = run(flags, WORKLOAD["C"])
     expect(preempted == 0, f"C: with {flags} the run still preempts {preempted} times")
