@@ -13,6 +13,17 @@ NCCL on CUDA):
                     [n, vocab] together to sample, the other ranks get None
     min_int         the KV pool: each rank sizes its own, all use the smallest
 
+Data parallel + expert parallel (`--data-parallel-size N --enable-expert-parallel`, TP 1, one
+host): the N engine cores are the group (`init_data_parallel_experts`) and DP rank r holds experts
+[r * E / N, (r + 1) * E / N) whole. Each MoE layer then exchanges tokens, vLLM's simplest form
+(its AgRsAll2AllManager): `dispatch` all-gathers every rank's hidden states and router logits,
+each rank runs its own experts on all of them, and `combine` sums the partial outputs back onto
+the rank that owns each token (reduce-scatter). Every rank sees every token: per MoE layer a
+rank receives ~(N - 1) x the largest rank's tokens x (hidden + num_experts) values, and the
+combine moves about as many hidden values again: the hidden states cross the group twice. Each
+call is a collective, so all N cores run the same number of forwards (`any_rank`: the lockstep
+of engine_core.py's loop).
+
 A `TensorParallel` of size 1 (SINGLE) is what the single-process engine passes: the model checks
 `tp.size > 1` before any collective, so TP=1 runs no collective and no extra copy.
 
@@ -25,6 +36,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -39,6 +51,10 @@ class TensorParallel:
     # vLLM's enable_expert_parallel: a mixture of experts' experts are shared out whole among the
     # ranks (each holds num_experts / size of them), not each sliced across all of them.
     enable_expert_parallel: bool = False
+    # DP+EP: this engine core's data-parallel rank among data_parallel_size (TP is 1 there); the
+    # experts are shared out among the DP ranks, which exchange tokens (dispatch / combine).
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
 
     def shard(self, n: int) -> tuple[int, int]:
         """[start, end) of rank's share of n rows split `size` ways (the last may be short)."""
@@ -61,8 +77,54 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def any_rank(self, flag: bool) -> bool:
+        """DP+EP's lockstep: whether `flag` holds on any data-parallel rank (a MAX all-reduce)."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def dispatch(self, hidden: Tensor, router_logits: Tensor) -> tuple[list[int], Tensor, Tensor]:
+        """DP+EP, before the experts: every rank's (hidden, router_logits) rows gathered on every
+        rank, in rank order. The counts go first: each rank's rows are padded to the most any
+        rank has (a collective moves equal shapes), then cut back. Returns (rows of each rank,
+        all hidden, all router logits); hidden and logits travel as one tensor."""
+        rows = torch.tensor([hidden.shape[0]])
+        counts = rows.new_empty(self.data_parallel_size)
+        _all_gather(counts, rows)
+        counts = counts.tolist()
+        both = torch.cat([hidden, router_logits], dim=1)
+        padded = both.new_zeros(max(counts), both.shape[1])
+        padded[:len(both)] = both
+        gathered = padded.new_empty(self.data_parallel_size * max(counts), both.shape[1])
+        _all_gather(gathered, padded)
+        everyone = gathered[_real_rows(counts)]
+        return counts, everyone[:, :hidden.shape[1]], everyone[:, hidden.shape[1]:]
+
+    def combine(self, out: Tensor, counts: list[int]) -> Tensor:
+        """DP+EP, after the experts: `out` holds this rank's experts' part of every rank's rows
+        (dispatch's order); the parts are summed onto the rank that owns each row (a
+        reduce-scatter, over rows padded as in dispatch). Returns this rank's rows."""
+        padded = out.new_zeros(len(counts) * max(counts), out.shape[1])
+        padded[_real_rows(counts)] = out
+        mine = out.new_empty(max(counts), out.shape[1])
+        _reduce_scatter(mine, padded)
+        return mine[:counts[self.data_parallel_rank]]
+
 
 SINGLE = TensorParallel()
+# torch 2.13 renamed the single-tensor collectives (the old names warn); torch >= 2.5 has the old
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _real_rows(counts: list[int]) -> Tensor:
+    """Where the real rows sit when each rank's `counts[r]` rows are padded to max(counts):
+
+    >>> _real_rows([2, 0, 1]).tolist()
+    [0, 1, 4]
+    """
+    most = max(counts)
+    return torch.cat([torch.arange(n) + rank * most for rank, n in enumerate(counts)])
 
 
 def free_port() -> int:
@@ -112,13 +174,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     """Join the group as `rank` and return this rank's device: on CUDA one GPU per rank and
     NCCL; on CPU gloo, with the cores shared out among every rank of every engine core of this
     host (N ranks each using every core would fight over them: on 2 cores with N=2, one
-    thread each). Every rank is on this host, so the group's own sockets listen on loopback
-    only: gloo would take the address the hostname resolves to, NCCL's bootstrap the first
-    network interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, when set, still win)."""
-    names = {name for _, name in socket.if_nameindex()}
-    loopback = "lo0" if "lo0" in names else "lo"      # BSD and macOS, Linux
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    thread each). Every rank is on this host: the group's sockets listen on loopback only."""
+    _sockets_on_loopback()
     if device == "cuda":
         index = cuda_device_for_rank(rank, size, torch.cuda.device_count(), _launcher_local_rank(rank))
         torch.cuda.set_device(index)
@@ -129,3 +186,28 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             device_id=dev if backend == "nccl" else None)
     return dev
+
+
+def init_data_parallel_experts(rank: int, size: int, store_file: str,
+                               timeout_s: float) -> TensorParallel:
+    """DP+EP: join the group of this host's `size` engine cores as data-parallel `rank` (gloo on
+    the CPU), and return the TensorParallel that names this rank's experts. The group meets
+    through `store_file` in the API server's private directory (mode 0700), not a TCP store,
+    which would listen on every interface, unauthenticated. A collective waits at most
+    `timeout_s` (engine_iteration_timeout_s) for a peer, so a survivor of a dead rank fails
+    instead of waiting forever."""
+    _sockets_on_loopback()
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, size), rank=rank,
+                            world_size=size, timeout=timedelta(seconds=timeout_s))
+    return TensorParallel(enable_expert_parallel=True, data_parallel_rank=rank,
+                          data_parallel_size=size)
+
+
+def _sockets_on_loopback() -> None:
+    """Every rank is on this host: the group's own sockets listen on loopback only (gloo would
+    take the address the hostname resolves to, NCCL's bootstrap the first network interface;
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, when set, still win)."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = "lo0" if "lo0" in names else "lo"      # BSD and macOS, Linux
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)

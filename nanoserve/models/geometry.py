@@ -44,3 +44,9 @@ def get_num_kv_heads(hf_config, tensor_parallel_size: int = 1) -> int:
 def get_num_layers(hf_config) -> int:
     """Decoder layers, each with a K and a V cache of its own."""
     return hf_config.num_hidden_layers
+
+
+def get_num_experts(hf_config) -> int:
+    """Experts of each MoE layer (Qwen3-MoE's num_experts, Mixtral's num_local_experts); 0 for a
+    dense model, which expert parallel leaves alone (as vLLM: it applies to MoE layers only)."""
+    return getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None) or 0
