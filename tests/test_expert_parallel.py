@@ -7,6 +7,7 @@ steps on a rank with no work). The oracles:
     with unequal token counts, one rank with none;
   - served (HTTP, 16 concurrent greedy requests, and one alone while the other rank idles) == the
     offline single engine, token for token;
+  - a dummy step (a core with no work) writes no KV and samples nothing;
   - a rank killed mid-stream: every open stream ends with an error, /health 503, SIGTERM of the
     server leaves no process;
   - what is not built is a ValueError naming its field (TP > 1, ranks on other hosts, experts
@@ -35,6 +36,7 @@ from nanoserve.config import Config
 from nanoserve.distributed import SINGLE, init_data_parallel_experts
 from nanoserve.executor import join_data_parallel_experts
 from nanoserve.layers import FusedMoE
+from nanoserve.model_runner import ModelRunner
 from nanoserve.models import verify_with_parallel_config
 from test_api import CONFIG, _descendants, serve
 from test_data_parallel import concurrent_greedy, serve_process, wait_all_gone
@@ -106,6 +108,18 @@ def test_what_is_not_built_is_an_error_naming_its_field(tmp_path):
     build_checkpoint(tmp_path, "llama")        # dense: plain data parallel, no group is joined
     config = Config(model=str(tmp_path), data_parallel_size=2, enable_expert_parallel=True)
     assert join_data_parallel_experts(config, 1, str(tmp_path / "never")) == (config, SINGLE)
+
+
+def test_a_dummy_step_writes_no_kv_and_samples_nothing(oracle):
+    """What a core with no work of its own runs under DP+EP (eagerly, as there)."""
+    runner = ModelRunner(Config(model=oracle.path, num_kv_blocks=8, max_model_len=128,
+                                enforce_eager=True, device="cpu"))
+    for k, v in runner.kv_caches:
+        k.normal_(), v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    assert runner.execute_dummy_batch() is None
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
 @pytest.fixture(scope="module")
