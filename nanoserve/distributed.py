@@ -16,13 +16,14 @@ NCCL on CUDA):
 Data parallel + expert parallel (`--data-parallel-size N --enable-expert-parallel`, TP 1, one
 host): the N engine cores are the group (`init_data_parallel_experts`) and DP rank r holds experts
 [r * E / N, (r + 1) * E / N) whole. Each MoE layer then exchanges tokens, vLLM's simplest form
-(its AgRsAll2AllManager): `dispatch` all-gathers every rank's hidden states and router logits,
+(its AgRsAll2AllManager; `ExpertExchange`): once a forward `begin` all-gathers each rank's row
+count, then in each layer `dispatch` all-gathers every rank's hidden states and router logits,
 each rank runs its own experts on all of them, and `combine` sums the partial outputs back onto
 the rank that owns each token (reduce-scatter). Every rank sees every token: per MoE layer a
 rank receives ~(N - 1) x the largest rank's tokens x (hidden + num_experts) values, and the
 combine moves about as many hidden values again: the hidden states cross the group twice. Each
-call is a collective, so all N cores run the same number of forwards (`any_rank`: the lockstep
-of engine_core.py's loop).
+is a collective, so all N cores run the same number of forwards (`any_rank`: the lockstep of
+engine_core.py's loop).
 
 A `TensorParallel` of size 1 (SINGLE) is what the single-process engine passes: the model checks
 `tp.size > 1` before any collective, so TP=1 runs no collective and no extra copy.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
@@ -51,10 +52,9 @@ class TensorParallel:
     # vLLM's enable_expert_parallel: a mixture of experts' experts are shared out whole among the
     # ranks (each holds num_experts / size of them), not each sliced across all of them.
     enable_expert_parallel: bool = False
-    # DP+EP: this engine core's data-parallel rank among data_parallel_size (TP is 1 there); the
-    # experts are shared out among the DP ranks, which exchange tokens (dispatch / combine).
-    data_parallel_rank: int = 0
-    data_parallel_size: int = 1
+    # DP+EP: the experts are shared out among the data-parallel ranks instead (TP is 1 there),
+    # which exchange their tokens around them
+    expert_exchange: Optional[ExpertExchange] = field(default=None, compare=False)
 
     def shard(self, n: int) -> tuple[int, int]:
         """[start, end) of rank's share of n rows split `size` ways (the last may be short)."""
@@ -77,38 +77,51 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+@dataclass
+class ExpertExchange:
+    """DP+EP: this engine core's place among the `size` data-parallel ranks that share the
+    experts, and their exchange of tokens (the module docstring). `begin` gathers every rank's
+    row count once a forward (the runner calls it, as vLLM's forward context carries
+    num_tokens_across_dp); each MoE layer's `dispatch` and `combine` read it."""
+
+    rank: int
+    size: int
+    counts: list[int] = field(default_factory=list)     # each rank's rows in this forward
+
+    def begin(self, num_rows: int) -> None:
+        mine = torch.tensor([num_rows])
+        counts = mine.new_empty(self.size)
+        _all_gather(counts, mine)
+        self.counts = counts.tolist()
+
     def any_rank(self, flag: bool) -> bool:
-        """DP+EP's lockstep: whether `flag` holds on any data-parallel rank (a MAX all-reduce)."""
+        """The lockstep: whether `flag` holds on any data-parallel rank (a MAX all-reduce)."""
         t = torch.tensor([int(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def dispatch(self, hidden: Tensor, router_logits: Tensor) -> tuple[list[int], Tensor, Tensor]:
-        """DP+EP, before the experts: every rank's (hidden, router_logits) rows gathered on every
-        rank, in rank order. The counts go first: each rank's rows are padded to the most any
-        rank has (a collective moves equal shapes), then cut back. Returns (rows of each rank,
-        all hidden, all router logits); hidden and logits travel as one tensor."""
-        rows = torch.tensor([hidden.shape[0]])
-        counts = rows.new_empty(self.data_parallel_size)
-        _all_gather(counts, rows)
-        counts = counts.tolist()
-        both = torch.cat([hidden, router_logits], dim=1)
-        padded = both.new_zeros(max(counts), both.shape[1])
-        padded[:len(both)] = both
-        gathered = padded.new_empty(self.data_parallel_size * max(counts), both.shape[1])
+    def dispatch(self, hidden: Tensor, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Before the experts: every rank's (hidden, router_logits) rows, in rank order, on every
+        rank. Each rank's rows are padded to the most any rank has (a collective moves equal
+        shapes), and cut back after; hidden and logits travel as one tensor."""
+        most, width = max(self.counts), hidden.shape[1]
+        padded = hidden.new_zeros(most, width + router_logits.shape[1])
+        padded[:len(hidden), :width], padded[:len(hidden), width:] = hidden, router_logits
+        gathered = padded.new_empty(self.size * most, padded.shape[1])
         _all_gather(gathered, padded)
-        everyone = gathered[_real_rows(counts)]
-        return counts, everyone[:, :hidden.shape[1]], everyone[:, hidden.shape[1]:]
+        everyone = gathered[_real_rows(self.counts)]
+        return everyone[:, :width], everyone[:, width:]
 
-    def combine(self, out: Tensor, counts: list[int]) -> Tensor:
-        """DP+EP, after the experts: `out` holds this rank's experts' part of every rank's rows
-        (dispatch's order); the parts are summed onto the rank that owns each row (a
+    def combine(self, out: Tensor) -> Tensor:
+        """After the experts: `out` holds this rank's experts' part of every rank's rows
+        (dispatch's order); the parts are summed onto the rank each row came from (a
         reduce-scatter, over rows padded as in dispatch). Returns this rank's rows."""
-        padded = out.new_zeros(len(counts) * max(counts), out.shape[1])
-        padded[_real_rows(counts)] = out
-        mine = out.new_empty(max(counts), out.shape[1])
+        most = max(self.counts)
+        padded = out.new_zeros(self.size * most, out.shape[1])
+        padded[_real_rows(self.counts)] = out
+        mine = out.new_empty(most, out.shape[1])
         _reduce_scatter(mine, padded)
-        return mine[:counts[self.data_parallel_rank]]
+        return mine[:self.counts[self.rank]]
 
 
 SINGLE = TensorParallel()
@@ -199,8 +212,7 @@ def init_data_parallel_experts(rank: int, size: int, store_file: str,
     _sockets_on_loopback()
     dist.init_process_group("gloo", store=dist.FileStore(store_file, size), rank=rank,
                             world_size=size, timeout=timedelta(seconds=timeout_s))
-    return TensorParallel(enable_expert_parallel=True, data_parallel_rank=rank,
-                          data_parallel_size=size)
+    return TensorParallel(enable_expert_parallel=True, expert_exchange=ExpertExchange(rank, size))
 
 
 def _sockets_on_loopback() -> None:

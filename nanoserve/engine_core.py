@@ -62,7 +62,7 @@ class EngineCore:
         # holds its rank's experts, and steps in lockstep with the other ranks' cores.
         config, tp = (join_data_parallel_experts(config, data_parallel_rank, expert_store)
                       if expert_store else (config, SINGLE))
-        self.lockstep = tp if tp.data_parallel_size > 1 else None
+        self.lockstep = tp.expert_exchange      # None but under DP+EP on a mixture of experts
         self.any_rank_busy = False        # under DP+EP: what the last lockstep check found
         # The runner in this process, or a worker process per TP rank: the same calls (executor.py)
         self.executor = (UniProcExecutor(config, tp) if config.tensor_parallel_size == 1

@@ -76,8 +76,10 @@ def _exchange_rank(rank: int, store: str, out_dir: str) -> None:
     experts = _experts(range(rank * E // 2, (rank + 1) * E // 2))
     outs = []
     for case in range(len(CASES)):
-        counts, hidden, logits = tp.dispatch(*_tokens(case, rank))
-        outs.append(tp.combine(experts(hidden, logits), counts))
+        hidden, logits = _tokens(case, rank)
+        exchange = tp.expert_exchange
+        exchange.begin(len(hidden))                  # once a forward: every rank's rows
+        outs.append(exchange.combine(experts(*exchange.dispatch(hidden, logits))))
     torch.save(outs, f"{out_dir}/rank{rank}.pt")
 
 

@@ -75,12 +75,12 @@ CORE_CAPABILITY_BUDGETS = {
     # never-read targets and scales beside any quantized weight (~5); the trace's expert_load
     # event and its reading (~15), expert_load.py (the router logits kept at fixed addresses and
     # counted after the step, ~60) and its way from the runner to the tracer (~15).
-    # + 215 for data parallel + expert parallel: the exchange (dispatch / combine), the lockstep
-    # check and the group's join in distributed.py (~80); the lockstep, idle wait and dummy steps
-    # in engine_core.py, executor.py and model_runner.py, with how a dead peer is handled (~90);
-    # the experts split over the DP ranks, get_num_experts, verify_with_parallel_config's DP size
-    # (~25); Config's checks and help (~20).
-    "mixture_of_experts": 640,
+    # + 230 for data parallel + expert parallel: the exchange (ExpertExchange: the counts once a
+    # forward, dispatch, combine), the lockstep check and the group's join in distributed.py
+    # (~95); the lockstep, idle wait and dummy steps in engine_core.py, executor.py and
+    # model_runner.py, with how a dead peer is handled (~90); the experts split over the DP
+    # ranks, get_num_experts, verify_with_parallel_config's DP size (~25); Config's checks (~20).
+    "mixture_of_experts": 655,
 }
 CORE_BUDGET = 5000 + sum(CORE_CAPABILITY_BUDGETS.values())
 # ~1,730 lines of C, ~1,050 of Python (the ops, products, then a fused step); + 250 for issue 40's int8

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.distributed import TensorParallel
+from nanoserve.distributed import ExpertExchange, TensorParallel
 from nanoserve.models.geometry import (get_head_size, get_num_attention_heads, get_num_experts,
                                        get_num_kv_heads, get_num_layers, get_total_num_kv_heads)
 from nanoserve.models.llama import LlamaForCausalLM
@@ -52,8 +52,9 @@ def verify_with_parallel_config(hf_config, tensor_parallel_size: int,
     parallel its experts over the `data_parallel_size` ranks (DP+EP). Rank 0's modules
     are built on the "meta" device (shapes, no memory), so the error is raised in the caller's
     process before any worker starts (vLLM's ModelConfig.verify_with_parallel_config)."""
+    dp = enable_expert_parallel and data_parallel_size > 1
     tp = TensorParallel(0, tensor_parallel_size, enable_expert_parallel,
-                        data_parallel_size=data_parallel_size if enable_expert_parallel else 1)
+                        expert_exchange=ExpertExchange(0, data_parallel_size) if dp else None)
     with torch.device("meta"):
         get_model_class(hf_config)(hf_config, tp)
 

@@ -59,8 +59,8 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the experts use 'silu')")
         self.tp, expert_ids = tp, None        # None: every expert, a slice of each
         if tp.enable_expert_parallel:
-            dp = tp.data_parallel_size > 1      # DP+EP: shared out among the DP ranks (TP 1)
-            rank, size = (tp.data_parallel_rank, tp.data_parallel_size) if dp else (tp.rank, tp.size)
+            dp = tp.expert_exchange          # DP+EP: shared out among the DP ranks (TP 1)
+            rank, size = (dp.rank, dp.size) if dp else (tp.rank, tp.size)
             if num_experts % size:
                 field = "data_parallel_size" if dp else "tensor_parallel_size"
                 raise ValueError(f"enable_expert_parallel: {field} {size} must divide "
@@ -79,9 +79,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         router_logits = self.gate(hidden)
-        if self.tp.data_parallel_size > 1:    # DP+EP: every rank's tokens through our experts
-            counts, everyone, everyones_logits = self.tp.dispatch(hidden, router_logits)
-            return self.tp.combine(self.experts(everyone, everyones_logits), counts)
+        if exchange := self.tp.expert_exchange:    # DP+EP: every rank's tokens, our experts
+            return exchange.combine(self.experts(*exchange.dispatch(hidden, router_logits)))
         out = self.experts(hidden, router_logits)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
