@@ -28,8 +28,8 @@ engine_core.py's loop).
 A `TensorParallel` of size 1 (SINGLE) is what the single-process engine passes: the model checks
 `tp.size > 1` before any collective, so TP=1 runs no collective and no extra copy.
 
-Run the tests (TP=2 over gloo on CPU == TP=1 == HF, token for token):
-    pytest -q tests/test_tensor_parallel.py
+Run the tests (TP=2 over gloo == TP=1 == HF, token for token; DP+EP == one process, served):
+    pytest -q tests/test_tensor_parallel.py tests/test_expert_parallel.py
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+
 @dataclass
 class ExpertExchange:
     """DP+EP: this engine core's place among the `size` data-parallel ranks that share the
@@ -89,9 +90,8 @@ class ExpertExchange:
     counts: list[int] = field(default_factory=list)     # each rank's rows in this forward
 
     def begin(self, num_rows: int) -> None:
-        mine = torch.tensor([num_rows])
-        counts = mine.new_empty(self.size)
-        _all_gather(counts, mine)
+        counts = torch.empty(self.size, dtype=torch.int64)
+        _all_gather(counts, torch.tensor([num_rows]))
         self.counts = counts.tolist()
 
     def any_rank(self, flag: bool) -> bool:
