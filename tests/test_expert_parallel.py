@@ -138,6 +138,7 @@ def oracle(tmp_path_factory):
 
 def test_dp2_ep_served_greedy_equals_offline_also_with_one_rank_idle(oracle):
     engine = AsyncLLM(oracle.path, data_parallel_size=2, enable_expert_parallel=True, **CONFIG)
+    cores = [pid for role, pid in engine.engine_core.processes if role.startswith("engine core")]
     try:
         assert engine.engine_core.config.enforce_eager      # the exchange is not captured
         with serve(engine, "m") as url:
@@ -146,6 +147,7 @@ def test_dp2_ep_served_greedy_equals_offline_also_with_one_rank_idle(oracle):
             assert concurrent_greedy(url, oracle.prompts) == oracle.texts
     finally:
         asyncio.run(engine.shutdown())
+    wait_all_gone(cores)          # both cores stop, whichever was in the lockstep check
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree in /proc")
