@@ -63,7 +63,12 @@ class Config:
     enable_expert_parallel: bool = _f(False, "A mixture-of-experts model's experts shared out "
                                       "whole among the tensor-parallel ranks (each holds "
                                       "num_experts / tensor_parallel_size of them) instead of "
-                                      "each expert sliced across all of them.")
+                                      "each expert sliced across all of them. With "
+                                      "--data-parallel-size N (tensor_parallel_size 1, every rank "
+                                      "on this host, CPU): among the N engine cores, which "
+                                      "exchange tokens in each MoE layer and step in lockstep; "
+                                      "attention stays data parallel (vLLM's DP attention + EP). "
+                                      "A dense model: plain data parallel.")
     max_model_len: Optional[int] = _f(None, "Longest sequence (prompt + output) in tokens. "
                                       "Default and cap: the model's max_position_embeddings.")
     # -- KV cache ------------------------------------------------------------
@@ -148,9 +153,7 @@ class Config:
         _positive_int(self, "tensor_parallel_size")
         _check_data_parallel(self)
         if self.enable_expert_parallel and self.data_parallel_size > 1:
-            raise ValueError("enable_expert_parallel with data_parallel_size > 1 (experts shared "
-                             "across data-parallel ranks) is not supported yet: use "
-                             "tensor_parallel_size for expert parallel")
+            _check_data_parallel_experts(self)
         for name in ("max_model_len", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive_int(self, name)
@@ -347,6 +350,20 @@ def _check_data_parallel(config: Config) -> None:
     if size > 1 and not config.engine_process:
         raise ValueError("data_parallel_size > 1 needs engine core processes (no "
                          "--no-engine-process)")
+
+
+def _check_data_parallel_experts(config: Config) -> None:
+    """DP+EP, as built: one host, TP 1 (executor.py's join_data_parallel_experts)."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError("enable_expert_parallel with data_parallel_size > 1 needs "
+                         "tensor_parallel_size 1 (the experts are shared out among the "
+                         "data-parallel ranks; TP x DP expert groups are not built)")
+    if config.headless or len(config.data_parallel_ranks_here) < config.data_parallel_size:
+        raise ValueError("enable_expert_parallel with data_parallel_size > 1 needs every rank "
+                         "on this host (data_parallel_size_local = data_parallel_size, no "
+                         "--headless): the ranks' group meets through a file in the API "
+                         "server's private directory; across hosts it would need a TCP store, "
+                         "which listens on every interface unauthenticated")
 
 
 def _base_type(annotation: str) -> type:

@@ -91,8 +91,8 @@ class InprocClient:
             self._thread.start()
         return await self._outputs.get()
 
-    def _get_inputs(self, block: bool) -> Inputs:
-        items = [self._inputs.get()] if block else []
+    def _get_inputs(self, wait_s: Optional[float]) -> Inputs:
+        items = [] if wait_s == 0 else [self._inputs.get()]    # (no DP here: 0 or None)
         while not self._inputs.empty():
             items.append(self._inputs.get_nowait())
         return items
@@ -126,7 +126,7 @@ class MPClient:
             self._socket.bind(remote)
             print(f"nanoserve serve: waiting for the engine cores of data-parallel ranks "
                   f"{len(ranks_here)}..{self.num_engines - 1} at {remote}", file=sys.stderr)
-        self._procs = start_engine_cores(config, address, secret)
+        self._procs = start_engine_cores(config, address, secret, f"{self._dir.name}/expert-group")
         atexit.register(self.shutdown)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._exited: Optional[asyncio.Future] = None    # a local engine core's rank, once dead
@@ -255,13 +255,11 @@ class MPClient:
         return rank
 
     def _why_dead(self, rank: int) -> str:
-        if rank not in self._procs:
-            who = f"the engine core of data-parallel rank {rank} (on a --headless host)"
-        else:
-            proc = self._procs[rank][0]
-            who = f"the engine core process of data-parallel rank {rank} (pid {proc.pid})"
-            if proc.exitcode is not None:
-                return f"{who} died, exit code {proc.exitcode}"
+        proc = self._procs[rank][0] if rank in self._procs else None
+        who = (f"the engine core of data-parallel rank {rank} (on a --headless host)" if proc is None
+               else f"the engine core process of data-parallel rank {rank} (pid {proc.pid})")
+        if proc is not None and proc.exitcode is not None:
+            return f"{who} died, exit code {proc.exitcode}"
         return (f"{who} sent nothing for {self.config.engine_iteration_timeout_s:g} s "
                 f"(engine_iteration_timeout_s: a step that long, a hang, a stopped process)")
 
@@ -281,17 +279,18 @@ class MPClient:
         self._dir = None
 
 
-def start_engine_cores(config: Config, address: str, secret: bytes) -> dict[int, tuple]:
+def start_engine_cores(config: Config, address: str, secret: bytes,
+                       expert_store: Optional[str] = None) -> dict[int, tuple]:
     """Spawn this host's engine cores (`config.data_parallel_ranks_here`), each connecting to
-    `address` and signing with `secret`: {rank: (process, our end of its lifeline pipe)}."""
-    context = multiprocessing.get_context("spawn")
-    procs = {}
+    `address`, signing with `secret`, under DP+EP meeting at `expert_store` (a file in the API
+    server's private directory; executor.py): {rank: (process, our end of its lifeline pipe)}."""
+    context, procs = multiprocessing.get_context("spawn"), {}
     for local_index, rank in enumerate(config.data_parallel_ranks_here):
         conn, child_conn = context.Pipe()
         # Not daemonic: with tensor parallel it starts the worker processes itself, which a
         # daemonic process may not. The pipe (EOF when we are gone) stops it instead.
         proc = context.Process(target=run_engine_core_process, name=f"nanoserve-engine-core-{rank}",
-                               args=(config, address, rank, local_index, child_conn, secret))
+                               args=(config, address, rank, local_index, child_conn, secret, expert_store))
         proc.start()
         child_conn.close()
         procs[rank] = (proc, conn)
@@ -357,22 +356,24 @@ class EngineCoreSocket:
         item = self.codec.decode(self.sock.recv()) if self.sock in ready else None
         return [] if item is None else [item]
 
-    def get_inputs(self, block: bool) -> Inputs:
-        """run_busy_loop's inputs: idle, wait in heartbeat slices; busy, take what is there."""
+    def get_inputs(self, wait_s: Optional[float]) -> Inputs:
+        """run_busy_loop's inputs: what is there, having waited up to `wait_s` (None: until
+        something comes) for the first, in heartbeat slices."""
         items: Inputs = []
+        end = time.monotonic() + (float("inf") if wait_s is None else wait_s)
         while True:
             if time.monotonic() - self.last_sent >= self.heartbeat:
                 self.send(Ping())          # silence would mean a hung engine core
-            new = self.receive(self.heartbeat if block and not items else 0)
+            new = self.receive(0 if items else min(self.heartbeat, max(0.0, end - time.monotonic())))
             if new is None:
                 return [("shutdown", None)]
             items += new
-            if not new and (items or not block):
+            if not new and (items or time.monotonic() >= end):
                 return items
 
 
 def run_engine_core_process(config: Config, address: str, rank: int, local_index: int,
-                            conn, secret: bytes) -> None:
+                            conn, secret: bytes, expert_store: Optional[str]) -> None:
     """The engine core process of data-parallel `rank`: Hello, build the core, the API server's
     Welcome, "ready" (or why not), then the busy loop until told to stop or a parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -382,7 +383,7 @@ def run_engine_core_process(config: Config, address: str, rank: int, local_index
         ranks_here = len(config.data_parallel_ranks_here)
         if ranks_here > 1:        # its share of this host's GPUs or cores
             place_data_parallel_rank(local_index, ranks_here, config.tensor_parallel_size)
-        core, failure = EngineCore(config), None
+        core, failure = EngineCore(config, rank, expert_store), None
     except Exception as e:        # e.g. a bad model path: the API server raises it (by name
         traceback.print_exc()     # and message), and this host's log has its traceback
         core, failure = None, e

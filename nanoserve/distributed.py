@@ -13,18 +13,31 @@ NCCL on CUDA):
                     [n, vocab] together to sample, the other ranks get None
     min_int         the KV pool: each rank sizes its own, all use the smallest
 
+Data parallel + expert parallel (`--data-parallel-size N --enable-expert-parallel`, TP 1, one
+host): the N engine cores are the group (`init_data_parallel_experts`) and DP rank r holds experts
+[r * E / N, (r + 1) * E / N) whole. Each MoE layer then exchanges tokens, vLLM's simplest form
+(its AgRsAll2AllManager; `ExpertExchange`): once a forward `begin` all-gathers each rank's row
+count, then in each layer `dispatch` all-gathers every rank's hidden states and router logits,
+each rank runs its own experts on all of them, and `combine` sums the partial outputs back onto
+the rank that owns each token (reduce-scatter). Every rank sees every token: per MoE layer a
+rank receives ~(N - 1) x the largest rank's tokens x (hidden + num_experts) values, and the
+combine moves about as many hidden values again: the hidden states cross the group twice. Each
+is a collective, so all N cores run the same number of forwards (`any_rank`: the lockstep of
+engine_core.py's loop).
+
 A `TensorParallel` of size 1 (SINGLE) is what the single-process engine passes: the model checks
 `tp.size > 1` before any collective, so TP=1 runs no collective and no extra copy.
 
-Run the tests (TP=2 over gloo on CPU == TP=1 == HF, token for token):
-    pytest -q tests/test_tensor_parallel.py
+Run the tests (TP=2 over gloo == TP=1 == HF, token for token; DP+EP == one process, served):
+    pytest -q tests/test_tensor_parallel.py tests/test_expert_parallel.py
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -39,6 +52,9 @@ class TensorParallel:
     # vLLM's enable_expert_parallel: a mixture of experts' experts are shared out whole among the
     # ranks (each holds num_experts / size of them), not each sliced across all of them.
     enable_expert_parallel: bool = False
+    # DP+EP: the experts are shared out among the data-parallel ranks instead (TP is 1 there),
+    # which exchange their tokens around them
+    expert_exchange: Optional[ExpertExchange] = field(default=None, compare=False)
 
     def shard(self, n: int) -> tuple[int, int]:
         """[start, end) of rank's share of n rows split `size` ways (the last may be short)."""
@@ -62,7 +78,66 @@ class TensorParallel:
         return int(t.item())
 
 
+@dataclass
+class ExpertExchange:
+    """DP+EP: this engine core's place among the `size` data-parallel ranks that share the
+    experts, and their exchange of tokens (the module docstring). `begin` gathers every rank's
+    row count once a forward (the runner calls it, as vLLM's forward context carries
+    num_tokens_across_dp); each MoE layer's `dispatch` and `combine` read it."""
+
+    rank: int
+    size: int
+    counts: list[int] = field(default_factory=list)     # each rank's rows in this forward
+
+    def begin(self, num_rows: int) -> None:
+        counts = torch.empty(self.size, dtype=torch.int64)
+        _all_gather(counts, torch.tensor([num_rows]))
+        self.counts = counts.tolist()
+
+    def any_rank(self, flag: bool) -> bool:
+        """The lockstep: whether `flag` holds on any data-parallel rank (a MAX all-reduce)."""
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def dispatch(self, hidden: Tensor, router_logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Before the experts: every rank's (hidden, router_logits) rows, in rank order, on every
+        rank. Each rank's rows are padded to the most any rank has (a collective moves equal
+        shapes), and cut back after; hidden and logits travel as one tensor."""
+        most, width = max(self.counts), hidden.shape[1]
+        padded = hidden.new_zeros(most, width + router_logits.shape[1])
+        padded[:len(hidden), :width], padded[:len(hidden), width:] = hidden, router_logits
+        gathered = padded.new_empty(self.size * most, padded.shape[1])
+        _all_gather(gathered, padded)
+        everyone = gathered[_real_rows(self.counts)]
+        return everyone[:, :width], everyone[:, width:]
+
+    def combine(self, out: Tensor) -> Tensor:
+        """After the experts: `out` holds this rank's experts' part of every rank's rows
+        (dispatch's order); the parts are summed onto the rank each row came from (a
+        reduce-scatter, over rows padded as in dispatch). Returns this rank's rows."""
+        most = max(self.counts)
+        padded = out.new_zeros(self.size * most, out.shape[1])
+        padded[_real_rows(self.counts)] = out
+        mine = out.new_empty(most, out.shape[1])
+        _reduce_scatter(mine, padded)
+        return mine[:self.counts[self.rank]]
+
+
 SINGLE = TensorParallel()
+# torch 2.13 renamed the single-tensor collectives (the old names warn); torch >= 2.5 has the old
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _real_rows(counts: list[int]) -> Tensor:
+    """Where the real rows sit when each rank's `counts[r]` rows are padded to max(counts):
+
+    >>> _real_rows([2, 0, 1]).tolist()
+    [0, 1, 4]
+    """
+    most = max(counts)
+    return torch.cat([torch.arange(n) + rank * most for rank, n in enumerate(counts)])
 
 
 def free_port() -> int:
@@ -112,13 +187,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     """Join the group as `rank` and return this rank's device: on CUDA one GPU per rank and
     NCCL; on CPU gloo, with the cores shared out among every rank of every engine core of this
     host (N ranks each using every core would fight over them: on 2 cores with N=2, one
-    thread each). Every rank is on this host, so the group's own sockets listen on loopback
-    only: gloo would take the address the hostname resolves to, NCCL's bootstrap the first
-    network interface (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, when set, still win)."""
-    names = {name for _, name in socket.if_nameindex()}
-    loopback = "lo0" if "lo0" in names else "lo"      # BSD and macOS, Linux
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)
+    thread each). Every rank is on this host: the group's sockets listen on loopback only."""
+    _sockets_on_loopback()
     if device == "cuda":
         index = cuda_device_for_rank(rank, size, torch.cuda.device_count(), _launcher_local_rank(rank))
         torch.cuda.set_device(index)
@@ -129,3 +199,27 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: str,
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             device_id=dev if backend == "nccl" else None)
     return dev
+
+
+def init_data_parallel_experts(rank: int, size: int, store_file: str,
+                               timeout_s: float) -> TensorParallel:
+    """DP+EP: join the group of this host's `size` engine cores as data-parallel `rank` (gloo on
+    the CPU), and return the TensorParallel that names this rank's experts. The group meets
+    through `store_file` in the API server's private directory (mode 0700), not a TCP store,
+    which would listen on every interface, unauthenticated. A collective waits at most
+    `timeout_s` (engine_iteration_timeout_s) for a peer, so a survivor of a dead rank fails
+    instead of waiting forever."""
+    _sockets_on_loopback()
+    dist.init_process_group("gloo", store=dist.FileStore(store_file, size), rank=rank,
+                            world_size=size, timeout=timedelta(seconds=timeout_s))
+    return TensorParallel(enable_expert_parallel=True, expert_exchange=ExpertExchange(rank, size))
+
+
+def _sockets_on_loopback() -> None:
+    """Every rank is on this host: the group's own sockets listen on loopback only (gloo would
+    take the address the hostname resolves to, NCCL's bootstrap the first network interface;
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, when set, still win)."""
+    names = {name for _, name in socket.if_nameindex()}
+    loopback = "lo0" if "lo0" in names else "lo"      # BSD and macOS, Linux
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback)

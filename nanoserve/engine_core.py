@@ -17,6 +17,10 @@ front end can fail every open stream instead of leaving them waiting. So does a 
 error (`is_fatal_step_error`): it leaves the device unusable, and every later step would fail
 while /health said healthy.
 
+Under data parallel + expert parallel (distributed.py) the N cores step in lockstep, since each
+MoE layer is a collective of all of them: `must_step` asks every core once an iteration whether
+any has work; if one has, all step, a core with none on a dummy row (`execute_dummy_batch`).
+
 Lesson: lessons/01-the-map.md
 """
 
@@ -27,9 +31,10 @@ import logging
 import sys
 import time
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from nanoserve.config import Config
+from nanoserve.distributed import SINGLE
 from nanoserve.errors import EngineDeadError, EngineStepError, is_fatal_step_error
 from nanoserve.kv_cache import KVCacheManager
 from nanoserve.request import (EngineCoreOutput, EngineCoreOutputs, Request, RequestStatus,
@@ -37,16 +42,30 @@ from nanoserve.request import (EngineCoreOutput, EngineCoreOutputs, Request, Req
 from nanoserve.scheduler import Scheduler
 from nanoserve.structured_output import StructuredOutputManager
 from nanoserve.trace import Tracer
-from nanoserve.executor import MultiprocExecutor, UniProcExecutor
+from nanoserve.executor import MultiprocExecutor, UniProcExecutor, join_data_parallel_experts
+
+# Under DP+EP an idle core waits for input this long at most, then meets the other ranks' cores
+# in the lockstep check again: a core blocked on its socket would leave a busy peer waiting in the
+# check. vLLM wakes idle ranks instead (its DP coordinator sends a "start wave" message when any
+# rank gets work): no polling, but one more process. 10 ms: a new request waits at most that
+# long for the idle cores, and an idle core costs ~100 tiny all-reduces a second.
+LOCKSTEP_IDLE_WAIT_S = 0.01
 
 
 class EngineCore:
     """Scheduler + KV cache manager + executor, stepped by whoever drives it."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, data_parallel_rank: int = 0,
+                 expert_store: Optional[str] = None):
         self.tracer = Tracer.open(config.trace)
+        # DP+EP (`expert_store`: where the ranks' group meets): on a mixture of experts this core
+        # holds its rank's experts, and steps in lockstep with the other ranks' cores.
+        config, tp = (join_data_parallel_experts(config, data_parallel_rank, expert_store)
+                      if expert_store else (config, SINGLE))
+        self.lockstep = tp.expert_exchange      # None but under DP+EP on a mixture of experts
+        self.any_rank_busy = False        # under DP+EP: what the last lockstep check found
         # The runner in this process, or a worker process per TP rank: the same calls (executor.py)
-        self.executor = (UniProcExecutor(config) if config.tensor_parallel_size == 1
+        self.executor = (UniProcExecutor(config, tp) if config.tensor_parallel_size == 1
                          else MultiprocExecutor(config))
         self.config = config = self.executor.config        # resolved: fixed from here on
         # What a front end needs to know of the model (it may live in another process).
@@ -78,6 +97,23 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def must_step(self) -> bool:
+        """Whether the loop steps now: when this core has unfinished requests, or under DP+EP
+        when any rank's core has (every rank runs the same number of forwards: each MoE layer is
+        a collective). Every rank's core asks once an iteration: that is the lockstep."""
+        busy = self.has_unfinished_requests()
+        if self.lockstep:
+            self.any_rank_busy = busy = self.lockstep.any_rank(busy)
+        return busy
+
+    def input_wait_s(self) -> Optional[float]:
+        """How long the loop may wait for input: not at all with work to do (under DP+EP: while
+        any rank had some); without, until some comes (None), but under DP+EP only
+        LOCKSTEP_IDLE_WAIT_S, since a peer that gets work waits for this core in `must_step`."""
+        if self.has_unfinished_requests() or self.any_rank_busy:
+            return 0.0
+        return LOCKSTEP_IDLE_WAIT_S if self.lockstep else None
+
     def get_stats(self) -> dict[str, float]:
         """The engine's side of /metrics (gauges, and counters ending in _total)."""
         scheduler, kv = self.scheduler, self.kv_cache_manager
@@ -104,6 +140,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.structured_output.remove(scheduler_output.finished_req_ids)   # aborted, failed
         if not scheduler_output.requests:
+            if self.lockstep:                   # a peer steps: meet its exchanges
+                self.executor.execute_dummy_batch()
             return []
         self.timings["schedule"] += time.perf_counter() - start
         self.num_batched_requests += len(scheduler_output.requests)
@@ -120,7 +158,9 @@ class EngineCore:
             ids = [r.request_id for r in scheduler_output.requests]
             self.scheduler.abort(ids)
             logging.getLogger("nanoserve").exception("the engine step failed")
-            if is_fatal_step_error(e):     # every later step would fail too: the engine is dead
+            # Every later step would fail too (or, under DP+EP, hang: the ranks' forwards no
+            # longer pair up): the engine is dead.
+            if is_fatal_step_error(e) or self.lockstep:
                 raise EngineDeadError(f"the engine cannot go on: {type(e).__name__}: {e}") from e
             raise EngineStepError(f"the engine step failed: {type(e).__name__}: {e}", ids) from e
         if failed:
@@ -211,14 +251,15 @@ class EngineCore:
 Inputs = list[tuple[str, object]]
 
 
-def run_busy_loop(core: EngineCore, get_inputs: Callable[[bool], Inputs],
+def run_busy_loop(core: EngineCore, get_inputs: Callable[[Optional[float]], Inputs],
                   send: Callable[[EngineCoreOutputs], None]) -> None:
-    """Drain the inputs (`get_inputs(block)` waits only when the core is idle), step, send what
-    happened as one message. Returns on "shutdown"; any other exception sends `dead` and ends it."""
+    """Drain the inputs (`get_inputs(wait_s)`: what came, waiting at most `core.input_wait_s()`
+    for it, None: until something comes), step, send what happened as one message. Returns on
+    "shutdown"; any other exception sends `dead` and ends it."""
     try:
         while True:
             message = EngineCoreOutputs()
-            inputs = get_inputs(not core.has_unfinished_requests())
+            inputs = get_inputs(core.input_wait_s())
             for kind, payload in inputs:
                 if kind == "shutdown":
                     return
@@ -230,7 +271,7 @@ def run_busy_loop(core: EngineCore, get_inputs: Callable[[bool], Inputs],
                         core.add_request(request)
                     except ValueError as e:   # e.g. a duplicate id: only this request fails
                         message.failed[request.request_id] = e
-            if core.has_unfinished_requests():
+            if core.must_step():
                 try:
                     message.outputs += core.step()
                 except EngineStepError as e:
@@ -241,6 +282,7 @@ def run_busy_loop(core: EngineCore, get_inputs: Callable[[bool], Inputs],
                 send(message)
     except Exception as e:
         traceback.print_exc()
-        send(EngineCoreOutputs(dead=True, error=f"{type(e).__name__}: {e}"))
+        why = "out of lockstep with the other data-parallel ranks (one died?): " if core.lockstep else ""
+        send(EngineCoreOutputs(dead=True, error=f"{why}{type(e).__name__}: {e}"))
     finally:
         core.tracer.close()

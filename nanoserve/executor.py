@@ -26,6 +26,13 @@ The group meets through a file in a private directory (mode 0700, removed at `cl
 TCP port: torch's TCPStore listens on every interface whatever address the init method names
 (distributed.py keeps the group's other sockets on loopback).
 
+Data parallel + expert parallel is the one layout where engine cores ARE members of a group: the
+N cores' own (`join_data_parallel_experts`; TP is 1, so each core's model is in its process).
+There a dead peer is noticed by the API server (its sentinel, or silence past
+engine_iteration_timeout_s), which fails every stream; a survivor waiting in a collective fails
+when gloo sees the peer's connection close, or at the group's timeout (that same
+engine_iteration_timeout_s), and shutdown terminates it after STOP_TIMEOUT_S in any case.
+
 No orphans: workers are daemonic (stopped when the engine core exits), `close()` (also run when
 the executor is garbage-collected) stops them, and each worker exits as soon as its parent dies.
 
@@ -35,6 +42,7 @@ Run the tests:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -48,9 +56,10 @@ from pathlib import Path
 from typing import Optional
 
 from nanoserve.config import Config
+from nanoserve.distributed import SINGLE, TensorParallel, init_data_parallel_experts
 from nanoserve.errors import WorkerError
-from nanoserve.models import verify_with_parallel_config
-from nanoserve.model_loader import resolve_model_path
+from nanoserve.models import get_moe_shape, verify_with_parallel_config
+from nanoserve.model_loader import resolve_device, resolve_model_path
 from nanoserve.model_runner import ModelRunner
 from nanoserve.request import SchedulerOutput
 from nanoserve.worker import RunnerInfo, run_worker
@@ -59,15 +68,19 @@ JOIN_TIMEOUT_S = 5.0
 
 
 class UniProcExecutor:
-    """One device: the ModelRunner (`model_runner`) in the engine core's own process."""
+    """One device: the ModelRunner (`model_runner`) in the engine core's own process; under DP+EP
+    (`tp` from join_data_parallel_experts) its model holds this data-parallel rank's experts."""
 
-    def __init__(self, config: Config):
-        self.model_runner = ModelRunner(config)
+    def __init__(self, config: Config, tp: TensorParallel = SINGLE):
+        self.model_runner = ModelRunner(config, tp)
         vars(self).update(vars(RunnerInfo.of(self.model_runner)))   # config, vocab_size, ...
         self.timings = self.model_runner.timings
 
     def execute_model(self, scheduler_output: SchedulerOutput):
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner.execute_dummy_batch()
 
     @property
     def expert_load(self) -> Optional[list[list[int]]]:
@@ -76,6 +89,33 @@ class UniProcExecutor:
 
     def worker_pids(self) -> list[int]:
         return []       # no worker process: the model runs in this one
+
+
+def join_data_parallel_experts(config: Config, data_parallel_rank: int,
+                               store_file: str) -> tuple[Config, TensorParallel]:
+    """DP+EP (`data_parallel_size` N with `enable_expert_parallel`; TP 1, every rank on this host,
+    as Config checks): for a mixture of experts, join the N engine cores' group (distributed.py)
+    and return (the config to run with, the TensorParallel naming this rank's experts). Else
+    (config, SINGLE): plain data parallel, also for a dense model under DP+EP, since expert
+    parallel applies to MoE layers only (as in vLLM). The group is gloo: CPU engine cores only,
+    in this version."""
+    from transformers import AutoConfig
+    if not (config.enable_expert_parallel and config.data_parallel_size > 1):
+        return config, SINGLE
+    hf_config = AutoConfig.from_pretrained(resolve_model_path(config.model))
+    if not get_moe_shape(hf_config):     # a dense model: plain DP
+        return config, SINGLE
+    # N must divide the experts: a ValueError now, before this rank waits for the others
+    verify_with_parallel_config(hf_config, 1, True, config.data_parallel_size)
+    if resolve_device(config.device) != "cpu":
+        raise ValueError("device: data parallel + expert parallel runs on CPU engine cores (a gloo "
+                         "group) in this version; on GPUs use --tensor-parallel-size with it")
+    tp = init_data_parallel_experts(data_parallel_rank, config.data_parallel_size, store_file,
+                                    config.engine_iteration_timeout_s)
+    # Eager: a captured step (cpu/graphs.py) replays fixed shapes and no collective, but the
+    # exchange's shapes follow the other ranks' tokens, and every rank's capture would be a round
+    # of collectives of its own. (vLLM pads every rank to the same size to keep its graphs.)
+    return dataclasses.replace(config, enforce_eager=True), tp
 
 
 class MultiprocExecutor:

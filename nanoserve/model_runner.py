@@ -113,8 +113,10 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.config.num_kv_blocks)
         # --trace on a mixture of experts: each step's expert load (rank 0's; before the capture,
         # which then records the copy of the router logits it makes)
+        # (Not under DP+EP: there each FusedMoE runs on every rank's tokens, the exchange's.)
         self.expert_load = (ExpertLoad.of(self.model, config.max_num_batched_tokens, self.device)
-                            if config.trace and self.tp.rank == 0 else None)
+                            if config.trace and self.tp.rank == 0 and not self.tp.expert_exchange
+                            else None)
         self.step_expert_load: Optional[list[list[int]]] = None   # [MoE layer][expert], last step
         # A captured graph reads these caches and inputs where they are: captured now, once.
         self.backend.capture(self.inputs, self.kv_caches)
@@ -247,8 +249,7 @@ class ModelRunner:
         start = time.perf_counter()
         input_ids, positions, meta, logits_indices, sampling = self.prepare_inputs(out)
         forward_start = time.perf_counter()
-        hidden = self.backend.forward(input_ids, positions, self.kv_caches,
-                                      self.backend.build_metadata(meta))
+        hidden = self._forward(input_ids, positions, meta)
         if self.expert_load is not None:     # the real rows only: padding is never counted
             self.step_expert_load = self.expert_load.counts(sum(out.num_scheduled_tokens))
         self.timings["prepare"] += forward_start - start
@@ -286,6 +287,21 @@ class ModelRunner:
             del sampled[request_id]
         self.timings["sample"] += time.perf_counter() - sample_start
         return sampled, logprobs, failed
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """A forward of one inert row (vLLM's execute_dummy_batch; step_inputs.py's padding: slot
+        -1 stores no KV, length 0 attends nothing) that samples nothing: under DP+EP a core with
+        no work of its own runs it, to meet the MoE exchanges of the ranks that have some."""
+        self._forward(*self.inputs.padded_decode(1))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The step's forward; under DP+EP first every rank's rows, gathered once for all the
+        MoE layers' exchanges (distributed.py's ExpertExchange.begin)."""
+        if self.tp.expert_exchange:
+            self.tp.expert_exchange.begin(input_ids.shape[0])
+        return self.backend.forward(input_ids, positions, self.kv_caches,
+                                    self.backend.build_metadata(meta))
 
     def _grammar_bitmask(self, out: SchedulerOutput, rows: list):
         """The step's grammar bitmask (the engine core's, structured_output.py) on this device, a

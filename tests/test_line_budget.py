@@ -78,7 +78,12 @@ CORE_CAPABILITY_BUDGETS = {
     # activation estimate of a MoE block (model_loader.py, the pairs' caches, ~13) and the
     # experts' shape read once for every family (geometry.py's get_moe_shape, ~13). + 2: the
     # dense MLP's split checked where it is built (make_mlp), so Mixtral's whole experts need none.
-    "mixture_of_experts": 453,
+    # + 230 for data parallel + expert parallel: the exchange (ExpertExchange: the counts once a
+    # forward, dispatch, combine), the lockstep check and the group's join in distributed.py
+    # (~95); the lockstep, idle wait and dummy steps in engine_core.py, executor.py and
+    # model_runner.py, with how a dead peer is handled (~90); the experts split over the DP
+    # ranks, verify_with_parallel_config's DP size (~25); Config's checks (~20).
+    "mixture_of_experts": 683,
     # issue 54: `nanoserve serve`'s start-up line with the KV pool in tokens and the maximum
     # concurrency for max_model_len, the two numbers vLLM logs (the clinic, lessons/10).
     "clinic_startup_line": 5,

@@ -8,7 +8,8 @@
     half the experts whole: == HF; under expert parallel a rank reads only its experts' tensors;
   - --quantization int8 quantizes each expert per output channel, the router not: the logits are
     those of the model with those weights dequantized;
-  - the errors: experts that do not split over the ranks, expert parallel with data parallel.
+  - the error of experts that do not split over the ranks (with data parallel:
+    test_expert_parallel.py).
 
     pytest -q tests/test_moe.py
 """
@@ -179,7 +180,7 @@ def test_int8_quantizes_each_expert_and_not_the_router(tmp_path):
     torch.testing.assert_close(logits_of(runner, ids), expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-4)
 
 
-def test_experts_that_do_not_split_and_expert_parallel_with_data_parallel_are_errors():
+def test_experts_that_do_not_split_are_errors():
     cfg = tf.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                             num_key_value_heads=2, vocab_size=64, num_experts=3, moe_intermediate_size=32,
                             architectures=["Qwen3MoeForCausalLM"])
@@ -187,8 +188,6 @@ def test_experts_that_do_not_split_and_expert_parallel_with_data_parallel_are_er
     with pytest.raises(ValueError, match=r"enable_expert_parallel: tensor_parallel_size 2 must divide "
                                          r"num_experts \(3\)"):
         verify_with_parallel_config(cfg, 2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="enable_expert_parallel with data_parallel_size > 1 .* not supported yet"):
-        Config(data_parallel_size=2, enable_expert_parallel=True)
 
 
 def test_trace_records_each_steps_expert_load(tmp_path, monkeypatch):

@@ -151,8 +151,8 @@ class Loop:
         self.tokens, self.times, self.finished, self.failed = {}, {}, {}, {}
         self.thread.start()
 
-    def _get(self, block: bool) -> list:
-        items = [self.inputs.get(timeout=60)] if block else []
+    def _get(self, wait_s) -> list:
+        items = [] if wait_s == 0 else [self.inputs.get(timeout=60)]     # None: until one comes
         while not self.inputs.empty():
             items.append(self.inputs.get())
         return items

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanoserve.distributed import TensorParallel
+from nanoserve.distributed import ExpertExchange, TensorParallel
 from nanoserve.models.geometry import (get_head_size, get_moe_shape, get_num_attention_heads,
                                        get_num_kv_heads, get_num_layers, get_total_num_kv_heads)
 from nanoserve.models.llama import LlamaForCausalLM
@@ -45,13 +45,18 @@ def get_model_class(hf_config) -> type[nn.Module]:
 
 
 def verify_with_parallel_config(hf_config, tensor_parallel_size: int,
-                                enable_expert_parallel: bool = False) -> None:
+                                enable_expert_parallel: bool = False,
+                                data_parallel_size: int = 1) -> None:
     """ValueError when `hf_config` cannot be split over `tensor_parallel_size` ranks (heads, MLP
-    or expert sizes: each family checks its own as it builds a rank's modules). Rank 0's modules
+    or expert sizes: each family checks its own as it builds a rank's modules), or under expert
+    parallel its experts over the `data_parallel_size` ranks (DP+EP). Rank 0's modules
     are built on the "meta" device (shapes, no memory), so the error is raised in the caller's
     process before any worker starts (vLLM's ModelConfig.verify_with_parallel_config)."""
+    dp = enable_expert_parallel and data_parallel_size > 1
+    tp = TensorParallel(0, tensor_parallel_size, enable_expert_parallel,
+                        expert_exchange=ExpertExchange(0, data_parallel_size) if dp else None)
     with torch.device("meta"):
-        get_model_class(hf_config)(hf_config, TensorParallel(0, tensor_parallel_size, enable_expert_parallel))
+        get_model_class(hf_config)(hf_config, tp)
 
 
 __all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM",

@@ -26,8 +26,11 @@ Under tensor parallel a rank holds, of every expert, its slice of the intermedia
 gate AND up, down's columns), as of a dense MLP; with `enable_expert_parallel` (distributed.py)
 it holds num_experts / tp whole experts (FusedMoE's `expert_ids`) and never reads the others'
 tensors. Either way the block's output is this rank's partial sum, all-reduced as the dense
-MLP's is. The router is replicated and, as in vLLM, never quantized: `--quantization` quantizes
-each expert per output channel (FusedMoE's w13_weight_scale, w2_weight_scale).
+MLP's is. Under data parallel + expert parallel (TP 1) the DP ranks share the experts out the
+same way, and each block exchanges its tokens with the other ranks around the experts
+(distributed.py's dispatch and combine: all-gather, then reduce-scatter). The router is
+replicated and, as in vLLM, never quantized: `--quantization` quantizes each expert per output
+channel (FusedMoE's w13_weight_scale, w2_weight_scale).
 
     pytest -q tests/test_moe.py
 
@@ -56,11 +59,14 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (the experts use 'silu')")
         self.tp, expert_ids = tp, None        # None: every expert, a slice of each
         if tp.enable_expert_parallel:
-            if num_experts % tp.size:
-                raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp.size} must "
-                                 f"divide {num_experts_field} ({num_experts})")
-            per_rank = num_experts // tp.size
-            expert_ids = range(tp.rank * per_rank, (tp.rank + 1) * per_rank)
+            dp = tp.expert_exchange          # DP+EP: shared out among the DP ranks (TP 1)
+            rank, size = (dp.rank, dp.size) if dp else (tp.rank, tp.size)
+            if num_experts % size:
+                field = "data_parallel_size" if dp else "tensor_parallel_size"
+                raise ValueError(f"enable_expert_parallel: {field} {size} must divide "
+                                 f"{num_experts_field} ({num_experts})")
+            per_rank = num_experts // size
+            expert_ids = range(rank * per_rank, (rank + 1) * per_rank)
         elif intermediate_size % tp.size:
             raise ValueError(f"tensor_parallel_size {tp.size} must divide the experts' "
                              f"intermediate size ({intermediate_size}), or use enable_expert_parallel")
@@ -72,7 +78,10 @@ class SparseMoeBlock(nn.Module):
                                 intermediate_size, renormalize, expert_ids, quantization)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        out = self.experts(hidden, self.gate(hidden))
+        router_logits = self.gate(hidden)
+        if exchange := self.tp.expert_exchange:    # DP+EP: every rank's tokens, our experts
+            return exchange.combine(self.experts(*exchange.dispatch(hidden, router_logits)))
+        out = self.experts(hidden, router_logits)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
