@@ -247,8 +247,9 @@ EDITS = {
             [("return torch.where(bits < 0, -(bits & 0x7FFFFFFF) - 1, bits)", "return bits")]),
     },
     "lesson8_ngram_proposer": {
-        "oldest_match": (
-            "takes the earliest occurrence of the n-gram instead of the most recent one",
+        "earliest_match": (
+            "takes the earliest occurrence (vLLM 0.32.0's rule), where the exercise asks for "
+            "nanoserve's, the most recent",
             [("for start in range(end - n - 1, -1, -1):", "for start in range(0, end - n):")]),
         "shortest_first": (
             "tries the shortest n-gram first, so a one-token match beats a longer one",
