@@ -15,7 +15,8 @@ reference it replaces (layers.py, paged_attention.py):
                          where torch's goes one float at a time.
     gemm.c               a Linear's product on its weight packed once (cpu/gemm.py's `kernel`
                          path). The same on an int8 weight (`--quantization int8`): gemm_int8.
-                         With AMX, also a bf16 product on the weight as it is (the `amx` path).
+                         With AMX, also a bf16 product on the weight as it is (the `amx` path),
+                         and a FusedMoE layer's experts on it in one call (moe_amx).
 
 What each was measured to gain, and on which CPU: scripts/results/README.md.
 
@@ -131,6 +132,8 @@ def load():
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
     kernels.gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    kernels.moe_amx.restype = ctypes.c_int
+    kernels.moe_amx.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3
     return kernels
 
 
@@ -299,3 +302,18 @@ def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor) -> Optional[Tensor]:
                        torch.get_num_threads()):
         return None
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def moe_amx(rows: Tensor, counts: list[int], w13: Tensor, w2: Tensor, zeros: Tensor) -> Tensor:
+    """gemm.c's moe_amx: the experts' products for `rows` [n, hidden] (bf16) grouped by expert,
+    counts[e] rows for expert e of w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter]
+    (bf16, contiguous): w2[e] @ silu_and_mul(w13[e] @ row) for each row, as [n, hidden].
+    zeros: float32 [max(2 x inter, hidden)]."""
+    (n, hidden), inter = rows.shape, w2.shape[2]
+    y, gate_up, act = rows.new_empty(n, hidden), rows.new_empty(n, 2 * inter), rows.new_empty(n, inter)
+    counts = torch.tensor(counts, dtype=torch.int64)
+    if load().moe_amx(rows.data_ptr(), counts.data_ptr(), len(counts), w13.data_ptr(), w2.data_ptr(),
+                      zeros.data_ptr(), gate_up.data_ptr(), act.data_ptr(), y.data_ptr(), hidden, inter,
+                      torch.get_num_threads()):
+        raise MemoryError(f"gemm.c could not allocate its copies of the experts' rows ({n} x {hidden})")
+    return y

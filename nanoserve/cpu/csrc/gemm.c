@@ -677,3 +677,29 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
     return 1;
 }
 #endif
+
+void silu_and_mul(const void *gate_up, void *out, int rows, int dim, int bf16, int num_threads);
+
+/* FusedMoE's experts on the AMX product, one call a layer (cpu/moe.py's grouped form): `rows`
+   [M, H] are the layer's (token, expert) rows grouped by local expert, counts[e] of them for
+   expert e (w13 [experts, 2I, H], w2 [experts, H, I], bf16, as they are); for each expert with rows:
+   gate_up = rows @ w13[e].T, act = silu(gate) * up, y = act @ w2[e].T into y's same rows.
+   Every row count on the AMX loop: handed to F.linear (gemm.py's AmxGemm above its loop rows),
+   a prefill's few hundred rows an expert, a new count at almost every call, had oneDNN build a
+   kernel for each (5x slower than the loop; scripts/results/README.md, issue 53's second round).
+   Why one call: the products, silu_and_mul, slices and torch.cat of 16 experts from Python cost
+   ~0.3 ms a layer more at a decode step's 16 tokens. gate_up [n, 2I] and act [n, I] are scratch
+   (n: the rows); zeros: float32 [max(2I, H)]. Returns 0, or 1 where gemm_amx cannot run. */
+int moe_amx(const uint16_t *rows, const int64_t *counts, int experts, const uint16_t *w13,
+            const uint16_t *w2, const float *zeros, uint16_t *gate_up, uint16_t *act, uint16_t *y,
+            int H, int I, int num_threads) {
+    int64_t start = 0;
+    for (int e = 0; e < experts; start += counts[e++]) {
+        const int n = (int)counts[e];
+        if (!n) continue;
+        if (gemm_amx(rows + start * H, w13 + (int64_t)e * 2 * I * H, zeros, gate_up, n, 2 * I, H, num_threads)) return 1;
+        silu_and_mul(gate_up, act, n, I, 1, num_threads);
+        if (gemm_amx(act, w2 + (int64_t)e * H * I, zeros, y + start * H, n, H, I, num_threads)) return 1;
+    }
+    return 0;
+}
