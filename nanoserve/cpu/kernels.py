@@ -133,7 +133,7 @@ def load():
     kernels.gemm_amx_ready.argtypes = []
     kernels.gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     kernels.moe_amx.restype = ctypes.c_int
-    kernels.moe_amx.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3
+    kernels.moe_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     return kernels
 
 
@@ -304,16 +304,15 @@ def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor) -> Optional[Tensor]:
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
-def moe_amx(rows: Tensor, counts: list[int], w13: Tensor, w2: Tensor, zeros: Tensor) -> Tensor:
-    """gemm.c's moe_amx: the experts' products for `rows` [n, hidden] (bf16) grouped by expert,
-    counts[e] rows for expert e of w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter]
-    (bf16, contiguous): w2[e] @ silu_and_mul(w13[e] @ row) for each row, as [n, hidden].
-    zeros: float32 [max(2 x inter, hidden)]."""
-    (n, hidden), inter = rows.shape, w2.shape[2]
-    y, gate_up, act = rows.new_empty(n, hidden), rows.new_empty(n, 2 * inter), rows.new_empty(n, inter)
-    counts = torch.tensor(counts, dtype=torch.int64)
-    if load().moe_amx(rows.data_ptr(), counts.data_ptr(), len(counts), w13.data_ptr(), w2.data_ptr(),
-                      zeros.data_ptr(), gate_up.data_ptr(), act.data_ptr(), y.data_ptr(), hidden, inter,
-                      torch.get_num_threads()):
-        raise MemoryError(f"gemm.c could not allocate its copies of the experts' rows ({n} x {hidden})")
-    return y
+def moe_amx(hidden: Tensor, weights: Tensor, ids: Tensor, local_of: Tensor, w13: Tensor, w2: Tensor,
+            zeros: Tensor, out: Tensor) -> None:
+    """gemm.c's moe_amx: out = FusedMoE.forward_native(hidden) for the router's (weights, ids)
+    [tokens, top_k], in one call: local_of maps a global expert id to the index of its weights in
+    w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter] (bf16, contiguous), or to
+    `experts` where none is held here. zeros: float32 [max(2 x inter, hidden)]."""
+    (tokens, top_k), (experts, hidden_size, inter) = ids.shape, w2.shape
+    ids, weights = ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+    if load().moe_amx(_as_rows(hidden).data_ptr(), ids.data_ptr(), weights.data_ptr(), local_of.data_ptr(),
+                      tokens, top_k, experts, w13.data_ptr(), w2.data_ptr(), zeros.data_ptr(),
+                      out.data_ptr(), hidden_size, inter, torch.get_num_threads()):
+        raise MemoryError(f"gemm.c's moe_amx could not allocate its buffers ({tokens} tokens)")
