@@ -509,10 +509,13 @@ void silu_and_mul(const void *gate_up, void *out, int rows, int dim, int bf16, i
    x 16 rows of uint32 (bf16 x[r][2p], x[r][2p+1]). By pointers, so that the MoE gathers its rows
    in the same pass (moe_amx). */
 static void pack_block_amx(const uint16_t *const row[16], uint32_t *xb, int K) {
+    float block[16][16];   /* the 16 rows' pairs of one chunk, then transposed (transpose_16x16) */
+    __m512 pairs[16];
     for (int kc = 0; kc < K / 32; kc++) {
-        uint32_t *tile = xb + (int64_t)kc * 256;
         for (int r = 0; r < 16; r++)
-            for (int p = 0; p < 16; p++) tile[p * 16 + r] = row[r] ? ((const uint32_t *)row[r])[kc * 16 + p] : 0;
+            _mm512_storeu_ps(block[r], row[r] ? _mm512_loadu_ps(row[r] + kc * 32) : _mm512_setzero_ps());
+        transpose_16x16(block, 64, pairs);
+        for (int p = 0; p < 16; p++) _mm512_storeu_ps(xb + (int64_t)kc * 256 + p * 16, pairs[p]);
     }
 }
 
