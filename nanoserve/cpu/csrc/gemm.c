@@ -758,20 +758,31 @@ static void pack_expert_block(const Groups *g, int64_t b, const uint16_t *rows, 
     pack_block_amx(row, xb + b * (K / 32) * 256, K);
 }
 
-/* out[token] columns c0..c1 (multiples of 16) = the sum over its pairs, in `pairs`' order, of
-   y[pair's row] * weight, each product and each partial sum rounded to bf16 (index_add_'s). */
-static void weighted_sum(const uint16_t *y, const int64_t *pairs, const float *weights, int64_t rows,
-                         int top_k, int T, int H, int c0, int c1, uint16_t *out) {
-    for (int64_t token = 0; token < T; token++)
-        memset(out + token * H + c0, 0, (size_t)(c1 - c0) * 2);
-    for (int64_t m = 0; m < rows; m++) {
-        const __m512 w = _mm512_set1_ps(bf16_to_f32(f32_to_bf16(weights[pairs[m]])));
-        uint16_t *o = out + pairs[m] / top_k * H;
-        for (int c = c0; c < c1; c += 16) {
-            const __m512 yv = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(y + m * H + c))), 16);
-            const __m512 ov = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(o + c))), 16);
-            const __m512 product = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(yv, w)));
-            _mm256_storeu_si256((void *)(o + c), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(ov, product)));
+/* out rows t0..t1: each token's sum of y[row of its pair] * weight over its pairs held here, in
+   forward_native's order (by local expert), each product and each partial sum rounded to bf16 as
+   index_add_ rounds; a token with none: zeros. A row written once, by one thread. */
+static void weighted_sum(const uint16_t *y, const int64_t *row_of, const int64_t *ids,
+                         const int64_t *local_of, const float *weights, int top_k, int64_t t0,
+                         int64_t t1, int H, uint16_t *out) {
+    for (int64_t token = t0; token < t1; token++) {
+        int64_t held[top_k];
+        int n = 0;
+        for (int64_t p = token * top_k; p < (token + 1) * top_k; p++) {   /* insertion sort by expert */
+            if (row_of[p] < 0) continue;
+            int i = n++;
+            for (; i > 0 && local_of[ids[held[i - 1]]] > local_of[ids[p]]; i--) held[i] = held[i - 1];
+            held[i] = p;
+        }
+        for (int c = 0; c < H; c += 16) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int i = 0; i < n; i++) {
+                const __m512 w = _mm512_set1_ps(bf16_to_f32(f32_to_bf16(weights[held[i]])));
+                const __m512 yv = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const void *)(y + row_of[held[i]] * H + c))), 16);
+                const __m512 product = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(yv, w)));
+                sum = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_add_ps(sum, product)));
+            }
+            _mm256_storeu_si256((void *)(out + token * H + c), (__m256i)_mm512_cvtneps_pbh(sum));
         }
     }
 }
@@ -785,7 +796,8 @@ int moe_amx(const uint16_t *x, const int64_t *ids, const float *weights, const i
             uint16_t *out, int H, int I, int num_threads) {
     if (H % 32 || I % 32 || !amx_ready()) return 1;
     int64_t *count = calloc((size_t)4 * (experts + 1), 8), *row0 = count + experts + 1;
-    int64_t *block0 = row0 + experts + 1, *cursor = block0 + experts + 1, *pairs = malloc((size_t)T * top_k * 8 + 8);
+    int64_t *block0 = row0 + experts + 1, *cursor = block0 + experts + 1, *pairs = malloc((size_t)T * top_k * 16 + 8);
+    int64_t *row_of = pairs + (int64_t)T * top_k;   /* each pair's row in `pairs`, -1: not held here */
     if (!count || !pairs) { free(count); free(pairs); return 1; }
     for (int64_t p = 0; p < (int64_t)T * top_k; p++) count[local_of[ids[p]]]++;
     Groups g = {.experts = experts, .busy = 0, .count = count, .row0 = row0, .block0 = block0};
@@ -794,8 +806,10 @@ int moe_amx(const uint16_t *x, const int64_t *ids, const float *weights, const i
         row0[e] = cursor[e] = rows, block0[e] = blocks;
         rows += count[e], blocks += (count[e] + 15) / 16, g.busy += count[e] > 0;
     }
-    for (int64_t p = 0; p < (int64_t)T * top_k; p++)   /* stable: tokens ascending within an expert */
-        if (local_of[ids[p]] < experts) pairs[cursor[local_of[ids[p]]]++] = p;
+    for (int64_t p = 0; p < (int64_t)T * top_k; p++) {   /* stable: tokens ascending within an expert */
+        row_of[p] = local_of[ids[p]] < experts ? cursor[local_of[ids[p]]]++ : -1;
+        if (row_of[p] >= 0) pairs[row_of[p]] = p;
+    }
     uint32_t *xb = malloc((size_t)blocks * (H / 32) * 1024 + 64), *xb2 = malloc((size_t)blocks * (I / 32) * 1024 + 64);
     uint16_t *gate_up = malloc((size_t)rows * 2 * I * 2 + 64), *act = malloc((size_t)rows * I * 2 + 64);
     uint16_t *y = malloc((size_t)rows * H * 2 + 64);
@@ -819,8 +833,8 @@ int moe_amx(const uint16_t *x, const int64_t *ids, const float *weights, const i
         experts_product(w2, xb2, &g, y, H, I, zeros);
         _tile_release();
 #pragma omp barrier
-        weighted_sum(y, pairs, weights, rows, top_k, T, H, H / 16 * t / threads * 16,
-                     H / 16 * (t + 1) / threads * 16, out);
+        weighted_sum(y, row_of, ids, local_of, weights, top_k, (int64_t)T * t / threads,
+                     (int64_t)T * (t + 1) / threads, H, out);
     }
     free(count), free(pairs), free(xb), free(xb2), free(gate_up), free(act), free(y);
     return 0;
