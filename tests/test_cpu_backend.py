@@ -310,6 +310,23 @@ def test_rms_norm_cpu_form_equals_forward_native(dtype, rows, dim):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_cpu_form_on_qwen3_head_views(dtype):
+    """Qwen3's q and k norms: RMSNorm over each head of a view of qkv's columns ([tokens, heads,
+    head_dim], tokens a whole qkv row apart). The CPU form copies the view contiguous, then
+    rms_norm.c: == forward_native within the roundings above."""
+    gen = torch.Generator().manual_seed(2)
+    norm = random_norm(64, dtype, gen)
+    qkv = (3 * torch.randn(13, 15 * 64, generator=gen)).to(dtype)
+    for view in (qkv[:, :9 * 64].view(13, 9, 64), qkv[:, 9 * 64:12 * 64].view(13, 3, 64)):
+        with torch.inference_mode():
+            out, native = ops.rms_norm(norm, view), norm.forward_native(view)
+        assert out.is_contiguous() and out.shape == view.shape
+        tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2**-7)
+        torch.testing.assert_close(out, native, **tol)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("intermediate", [1536, 20])
 def test_silu_and_mul_cpu_form_equals_forward_native(dtype, rows, intermediate):

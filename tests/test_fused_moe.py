@@ -1,7 +1,8 @@
 """FusedMoE's backend forms == its torch reference (layers.FusedMoE.forward_native).
 
     cpu/moe.py                 the CPU form (grouped by expert, each expert's products on a
-                               gemm.py path), float32 and bf16, int8 and fp8 weights
+                               gemm.py path, or all in one gemm.c call on AMX), float32 and bf16,
+                               int8 and fp8 weights
     cpu/graphs.py              a decode step of a model whose MLPs are FusedMoE replays == the same
                                step run eagerly, to the bit, the MoE recorded as one opaque call
 
@@ -105,6 +106,26 @@ def test_cpu_form_on_quantized_experts(quantization, path):
         pytest.skip("no C compiler here")
     for case in ("spread", "a subset held"):
         check_case(cpu_form(path), case, torch.bfloat16, quantization)
+
+
+@pytest.mark.skipif(not cpu_kernels.gemm_amx_ready(), reason="no AMX here")
+@pytest.mark.parametrize("case", ["spread", "all on one expert", "a subset held"])
+@pytest.mark.parametrize("tokens", [5, 700])
+def test_cpu_form_on_amx_runs_every_expert_in_one_call(case, tokens):
+    """The amx path: all experts in one gemm.c call (moe_amx), at a decode step's few rows and at
+    a prefill's hundreds an expert (700 on one: past the rows where a Linear's amx product hands
+    over to F.linear). AMX needs the inputs a multiple of 32: hidden 64, intermediate 32."""
+    top_k, expert_ids, _, steer = CASES[case]
+    op = moe_kit.random_moe(EXPERTS, top_k, 64, 32, torch.bfloat16, None, expert_ids, top_k > 1)
+    g = torch.Generator().manual_seed(tokens)
+    hidden, logits = torch.randn(tokens, 64, generator=g).to(torch.bfloat16), torch.randn(tokens, EXPERTS, generator=g)
+    for expert, bias in steer.items():
+        logits[:, expert] += bias
+    with torch.inference_mode():
+        expected = op.forward_native(hidden, logits)
+        form = CpuFusedMoE(op, torch.bfloat16, Config(cpu_gemm="amx"), {})
+        assert form.grouped is not None and not form.experts
+        torch.testing.assert_close(form.forward(hidden, logits), expected, **TOL[torch.bfloat16])
 
 
 # ------------------------------------------------------------------ capture and replay on the CPU

@@ -101,7 +101,14 @@ CORE_BUDGET = 5000 + sum(CORE_CAPABILITY_BUDGETS.values())
 # + 130 for issue 53's FusedMoE form: moe.py (~80: the tokens grouped by expert, each expert's
 # products on gemm.py's timed paths), graphs.py's opaque call (~40: a data-dependent op recorded
 # as one call, so a MoE model's decode step still replays), gemm.py's path choice shared (~10).
-CPU_BACKEND_BUDGET = 3290
+# + 190 for issue 53's second round: gemm.c's moe_amx (~170: a layer's experts in one parallel
+# region, the pairs sorted by expert and their rows gathered in C, each thread one stream across the
+# stacked experts' weights, every row count on the AMX loop, the weighted sum with index_add_'s
+# roundings; gemm_amx's packing and passes shared with it) and its wrapper in kernels.py (~20).
+# + 5: Qwen3's q and k norms on rms_norm.c (a view of qkv's columns copied contiguous first).
+# + 5: gemm.c's AMX packing by 16 x 16 transposes in registers.
+# + 10: moe_amx's weighted sum a token at a time (each out row written once, its pairs by expert).
+CPU_BACKEND_BUDGET = 3500
 # The Triton kernels and their binding: backend forms of the seam (layers.py) as cpu/ holds the
 # C ones, so they count here and not in the core (whose torch reference is paged_attention.py).
 # + 120 for issue 52's CUDA graphs (graphs.py: capture per batch size, replay, which steps go

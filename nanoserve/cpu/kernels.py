@@ -15,7 +15,8 @@ reference it replaces (layers.py, paged_attention.py):
                          where torch's goes one float at a time.
     gemm.c               a Linear's product on its weight packed once (cpu/gemm.py's `kernel`
                          path). The same on an int8 weight (`--quantization int8`): gemm_int8.
-                         With AMX, also a bf16 product on the weight as it is (the `amx` path).
+                         With AMX, also a bf16 product on the weight as it is (the `amx` path),
+                         and a FusedMoE layer's experts on it in one call (moe_amx).
 
 What each was measured to gain, and on which CPU: scripts/results/README.md.
 
@@ -131,6 +132,8 @@ def load():
     kernels.gemm_amx_ready.restype = kernels.gemm_amx.restype = ctypes.c_int
     kernels.gemm_amx_ready.argtypes = []
     kernels.gemm_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    kernels.moe_amx.restype = ctypes.c_int
+    kernels.moe_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     return kernels
 
 
@@ -299,3 +302,17 @@ def gemm_amx(x: Tensor, weight: Tensor, bias: Tensor) -> Optional[Tensor]:
                        torch.get_num_threads()):
         return None
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def moe_amx(hidden: Tensor, weights: Tensor, ids: Tensor, local_of: Tensor, w13: Tensor, w2: Tensor,
+            zeros: Tensor, out: Tensor) -> None:
+    """gemm.c's moe_amx: out = FusedMoE.forward_native(hidden) for the router's (weights, ids)
+    [tokens, top_k], in one call: local_of maps a global expert id to the index of its weights in
+    w13 [experts, 2 x inter, hidden] and w2 [experts, hidden, inter] (bf16, contiguous), or to
+    `experts` where none is held here. zeros: float32 [max(2 x inter, hidden)]."""
+    (tokens, top_k), (experts, hidden_size, inter) = ids.shape, w2.shape
+    ids, weights = ids.to(torch.int64).contiguous(), weights.to(torch.float32).contiguous()
+    if load().moe_amx(_as_rows(hidden).data_ptr(), ids.data_ptr(), weights.data_ptr(), local_of.data_ptr(),
+                      tokens, top_k, experts, w13.data_ptr(), w2.data_ptr(), zeros.data_ptr(),
+                      out.data_ptr(), hidden_size, inter, torch.get_num_threads()):
+        raise MemoryError(f"gemm.c's moe_amx could not allocate its buffers ({tokens} tokens)")

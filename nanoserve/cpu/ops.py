@@ -30,7 +30,10 @@ NATIVE_SILU_AND_MUL = SiluAndMul()   # the reference, where silu_and_mul.c canno
 
 def rms_norm(norm: RMSNorm, x: Tensor, residual: Optional[Tensor] = None):
     """RMSNorm.forward: norm(x), or (norm(x + residual), residual) with the residual updated in
-    place; rms_norm.c in one pass."""
+    place; rms_norm.c in one pass. Qwen3's q and k norms get views of qkv's columns, made
+    contiguous first: one copy, where torch's form is seven passes."""
+    if residual is None and x.stride(-1) == 1 and not x.is_contiguous():
+        x = x.contiguous()
     out = cpu_kernels.rms_norm(x, residual, norm.weight, norm.eps)
     if out is None:
         return norm.forward_native(x, residual)

@@ -498,24 +498,32 @@ int gemm(const void *x, const void *packed, const float *bias, void *y, int M, i
    need not be a multiple of 16 (the last rows are copied into a zero-padded block). */
 #ifdef AMX
 #include <omp.h>
+void silu_and_mul(const void *gate_up, void *out, int rows, int dim, int bf16, int num_threads);
 /* PREFETCH_AHEAD: how far ahead in W, in bytes, each thread asks for its rows. A fixed distance,
    chosen by measurement on the CPUs named in scripts/results/README.md and not re-measured at
    start-up (the start-up timing decides only whether this product is used, and up to how many
    rows): on another machine another distance may be faster. */
 #define PREFETCH_AHEAD 32768
 
-/* x [M, K] as AMX right operands: xb[mb][kc] = 16 pairs x 16 rows of uint32 (bf16 x[m][2p], x[m][2p+1]),
-   rows past M zero. */
-static void pack_rows_amx(const uint16_t *x, uint32_t *xb, int M, int K, int mb) {
-    const int chunks = K / 32;
-    const uint32_t *pairs = (const uint32_t *)x;
-    for (int kc = 0; kc < chunks; kc++) {
-        uint32_t *tile = xb + ((int64_t)mb * chunks + kc) * 256;
-        for (int r = 0; r < 16; r++) {
-            const int m = mb * 16 + r;
-            for (int p = 0; p < 16; p++) tile[p * 16 + r] = m < M ? pairs[(int64_t)m * (K / 2) + kc * 16 + p] : 0;
-        }
+/* 16 rows of x (row[r], K values; NULL: a row of zeros) as AMX right operands: xb[kc] = 16 pairs
+   x 16 rows of uint32 (bf16 x[r][2p], x[r][2p+1]). By pointers, so that the MoE gathers its rows
+   in the same pass (moe_amx). */
+static void pack_block_amx(const uint16_t *const row[16], uint32_t *xb, int K) {
+    float block[16][16];   /* the 16 rows' pairs of one chunk, then transposed (transpose_16x16) */
+    __m512 pairs[16];
+    for (int kc = 0; kc < K / 32; kc++) {
+        for (int r = 0; r < 16; r++)
+            _mm512_storeu_ps(block[r], row[r] ? _mm512_loadu_ps(row[r] + kc * 32) : _mm512_setzero_ps());
+        transpose_16x16(block, 64, pairs);
+        for (int p = 0; p < 16; p++) _mm512_storeu_ps(xb + (int64_t)kc * 256 + p * 16, pairs[p]);
     }
+}
+
+/* x [M, K]'s row block mb, packed (pack_block_amx) at xb's block mb. */
+static void pack_rows_amx(const uint16_t *x, uint32_t *xb, int M, int K, int mb) {
+    const uint16_t *row[16];
+    for (int r = 0; r < 16; r++) row[r] = mb * 16 + r < M ? x + (int64_t)(mb * 16 + r) * K : NULL;
+    pack_block_amx(row, xb + (int64_t)mb * (K / 32) * 256, K);
 }
 
 /* One sum tile (16 outputs n0.. x 16 rows m0..) + bias -> y, transposed back, rounded to bf16 as
@@ -607,6 +615,24 @@ static void pass_amx_any(const uint16_t *const a[2], const uint32_t *xb, int chu
     }
 }
 
+/* y's columns nb * 16.. (`group` W blocks a[]) for all `mblocks` row blocks of xb: the passes,
+   each one's sums left in `pending` for the next to store. The first pass asks for W ahead. */
+static void block_passes(const uint16_t *const a[2], const char *const fetch[2], const char *fetch_end,
+                         int group, const uint32_t *xb, int chunks, int mblocks, int nb, Pending *pending) {
+    for (int m0 = 0, mg; m0 < mblocks; m0 += mg) {
+        mg = mblocks - m0 > 1 ? 2 : 1;
+        pass_amx_any(a, xb, chunks, m0, group, mg, m0 ? NULL : fetch, fetch_end, pending);
+        while (pending->done < pending->count) store_pending(pending);
+        pending->count = pending->done = 0;
+        for (int n = 0; n < group; n++)   /* tile n * mg + m -> sums[n * mg + m] */
+            for (int m = 0; m < mg; m++) sum_tile_to_memory(n * mg + m, pending->sums[n * mg + m]);
+        for (int e = 0; e < group * mg; e++, pending->count++) {
+            pending->n0[e] = (nb + e / mg) * 16;
+            pending->m0[e] = (m0 + e % mg) * 16;
+        }
+    }
+}
+
 int gemm_amx_ready(void) { return amx_ready(); }
 
 /* x [M, K], w [N, K], y [M, N] bf16, contiguous; bias float32 [N] (zeros if none).
@@ -649,24 +675,168 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
                 a[n] = row + 16 <= N ? w + row * K : last;
                 fetch[n] = (const char *)(w + (row + (int64_t)ahead * 16) * K);
             }
-            for (int m0 = 0, mg; m0 < mblocks; m0 += mg) {   /* the first pass asks for W ahead */
-                mg = mblocks - m0 > 1 ? 2 : 1;
-                pass_amx_any(a, xb, chunks, m0, group, mg, m0 ? NULL : fetch, mine_end, &pending);
-                while (pending.done < pending.count) store_pending(&pending);
-                pending.count = pending.done = 0;
-                for (int n = 0; n < group; n++)   /* tile n * mg + m -> sums[n * mg + m] */
-                    for (int m = 0; m < mg; m++) sum_tile_to_memory(n * mg + m, pending.sums[n * mg + m]);
-                for (int e = 0; e < group * mg; e++, pending.count++) {
-                    pending.n0[e] = (nb + e / mg) * 16;
-                    pending.m0[e] = (m0 + e % mg) * 16;
-                }
-            }
+            block_passes(a, fetch, mine_end, group, xb, chunks, mblocks, nb, &pending);
         }
         while (pending.done < pending.count) store_pending(&pending);
         _tile_release();
     }
     free(xb);
     free(last);
+    return 0;
+}
+
+/* FusedMoE's experts on AMX, one call a layer (cpu/moe.py's form where both of its products took
+   the `amx` path): a counting sort of the (token, expert) pairs by local expert, tokens ascending
+   within one; each expert's rows gathered from x into AMX operands (pack_block_amx); every
+   expert's w13 product, silu(gate) * up, every expert's w2 product; then out[token] = the sum of
+   its pairs' y * router weight, expert by expert in order, rounded to bf16 at each step as
+   forward_native's index_add_ rounds. Pairs routed to an expert not held here (local_of[id] ==
+   experts) are dropped.
+   Why one parallel region for all of it: a decode step multiplies a few rows by each expert's
+   weights, a stream from memory (16 experts x 1.3 MiB a layer in the bench model); with the
+   experts' weights stacked as one matrix of 16-row blocks, each thread streams one contiguous run
+   of it across the experts (experts_product) where a product an expert restarted the stream (and
+   a Python call, slice and torch.cat around it). And every row count on the AMX loop: at a
+   prefill's few hundred rows an expert, F.linear (gemm.py's AmxGemm above its loop rows) had
+   oneDNN build a kernel for each new count, 5x slower (scripts/results/README.md). */
+typedef struct {
+    int experts;                   /* local experts */
+    int64_t busy;                  /* of them with rows */
+    const int64_t *count, *row0, *block0;   /* each expert's rows, first row, first 16-row block */
+} Groups;
+
+/* y rows of each expert e = its packed rows (xb from block0[e]) @ W[e].T, W [experts, N, K] (N a
+   multiple of 16) as one matrix of 16-row blocks; the busy experts' blocks shared out among the
+   threads in contiguous runs. Called by every thread of a parallel region, tiles configured. */
+static void experts_product(const uint16_t *w, const uint32_t *xb, const Groups *g, uint16_t *y,
+                            int N, int K, const float *zeros) {
+    const int chunks = K / 32, nblocks = N / 16;
+    const int64_t block_bytes = (int64_t)16 * K * 2, total = g->busy * nblocks;
+    const int ahead = (PREFETCH_AHEAD / block_bytes > 1 ? (int)(PREFETCH_AHEAD / block_bytes) : 1) + 1;
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t first = total * t / threads, end = total * (t + 1) / threads;
+    const char *w_end = (const char *)(w + (int64_t)g->experts * N * K);
+    Pending pending = {.count = 0, .done = 0, .bias = zeros, .N = N};
+    for (int64_t e = 0, v = 0; e < g->experts && v < end; v += g->count[e++] ? nblocks : 0) {
+        const int64_t lo = first > v ? first : v, hi = end < v + nblocks ? end : v + nblocks;
+        if (!g->count[e] || lo >= hi) continue;
+        while (pending.done < pending.count) store_pending(&pending);   /* the expert before's */
+        pending.count = pending.done = 0;
+        pending.y = y + g->row0[e] * N, pending.M = (int)g->count[e];
+        const int mblocks = (int)((g->count[e] + 15) / 16), per_pass = mblocks > 1 ? 2 : 1;
+        const uint16_t *we = w + e * N * K;
+        if (lo == first)   /* the run's first blocks, which no pass asks for */
+            for (const char *line = (const char *)(we + (lo - v) * 16 * K);
+                 line < (const char *)(we + (lo - v + ahead) * 16 * K) && line < w_end; line += 64)
+                __builtin_prefetch(line, 0, 2);
+        for (int64_t b = lo; b < hi; b += per_pass) {
+            const int group = hi - b < per_pass ? (int)(hi - b) : per_pass, nb = (int)(b - v);
+            const uint16_t *a[2];
+            const char *fetch[2];
+            for (int n = 0; n < group; n++) {
+                a[n] = we + (int64_t)(nb + n) * 16 * K;
+                fetch[n] = (const char *)(a[n] + (int64_t)ahead * 16 * K);
+            }
+            block_passes(a, fetch, w_end, group, xb + g->block0[e] * chunks * 256, chunks, mblocks, nb, &pending);
+        }
+    }
+    while (pending.done < pending.count) store_pending(&pending);
+}
+
+/* Expert e's row block mb of `rows` ([.., K], its rows from row0[e]), or with `pairs` the rows of
+   x of its pairs' tokens (a gather), packed at xb's block block0[e] + mb. */
+static void pack_expert_block(const Groups *g, int64_t b, const uint16_t *rows, const int64_t *pairs,
+                              int top_k, uint32_t *xb, int K) {
+    int e = 0;
+    while (b >= g->block0[e] + (g->count[e] + 15) / 16) e++;
+    const int64_t m0 = (b - g->block0[e]) * 16;
+    const uint16_t *row[16];
+    for (int r = 0; r < 16; r++) {
+        const int64_t m = g->row0[e] + m0 + r, source = pairs ? pairs[m] / top_k : m;
+        row[r] = m0 + r < g->count[e] ? rows + source * K : NULL;
+    }
+    pack_block_amx(row, xb + b * (K / 32) * 256, K);
+}
+
+/* out rows t0..t1: each token's sum of y[row of its pair] * weight over its pairs held here, in
+   forward_native's order (by local expert), each product and each partial sum rounded to bf16 as
+   index_add_ rounds; a token with none: zeros. A row written once, by one thread. */
+static void weighted_sum(const uint16_t *y, const int64_t *row_of, const int64_t *ids,
+                         const int64_t *local_of, const float *weights, int top_k, int64_t t0,
+                         int64_t t1, int H, uint16_t *out) {
+    for (int64_t token = t0; token < t1; token++) {
+        int64_t held[top_k];
+        int n = 0;
+        for (int64_t p = token * top_k; p < (token + 1) * top_k; p++) {   /* insertion sort by expert */
+            if (row_of[p] < 0) continue;
+            int i = n++;
+            for (; i > 0 && local_of[ids[held[i - 1]]] > local_of[ids[p]]; i--) held[i] = held[i - 1];
+            held[i] = p;
+        }
+        for (int c = 0; c < H; c += 16) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int i = 0; i < n; i++) {
+                const __m512 w = _mm512_set1_ps(bf16_to_f32(f32_to_bf16(weights[held[i]])));
+                const __m512 yv = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const void *)(y + row_of[held[i]] * H + c))), 16);
+                const __m512 product = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_mul_ps(yv, w)));
+                sum = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_add_ps(sum, product)));
+            }
+            _mm256_storeu_si256((void *)(out + token * H + c), (__m256i)_mm512_cvtneps_pbh(sum));
+        }
+    }
+}
+
+/* x [T, H] bf16; ids, weights [T, top_k] (int64, float32); local_of [global experts] -> local
+   index (`experts`: not here); w13 [experts, 2I, H], w2 [experts, H, I] bf16; zeros float32
+   [max(2I, H)]; out [T, H]. H and I multiples of 32. Returns 0, or 1 (out of memory, no AMX),
+   before it has written anything. */
+int moe_amx(const uint16_t *x, const int64_t *ids, const float *weights, const int64_t *local_of,
+            int T, int top_k, int experts, const uint16_t *w13, const uint16_t *w2, const float *zeros,
+            uint16_t *out, int H, int I, int num_threads) {
+    if (H % 32 || I % 32 || !amx_ready()) return 1;
+    int64_t *count = calloc((size_t)4 * (experts + 1), 8), *row0 = count + experts + 1;
+    int64_t *block0 = row0 + experts + 1, *cursor = block0 + experts + 1, *pairs = malloc((size_t)T * top_k * 16 + 8);
+    int64_t *row_of = pairs + (int64_t)T * top_k;   /* each pair's row in `pairs`, -1: not held here */
+    if (!count || !pairs) { free(count); free(pairs); return 1; }
+    for (int64_t p = 0; p < (int64_t)T * top_k; p++) count[local_of[ids[p]]]++;
+    Groups g = {.experts = experts, .busy = 0, .count = count, .row0 = row0, .block0 = block0};
+    int64_t rows = 0, blocks = 0;
+    for (int e = 0; e < experts; e++) {
+        row0[e] = cursor[e] = rows, block0[e] = blocks;
+        rows += count[e], blocks += (count[e] + 15) / 16, g.busy += count[e] > 0;
+    }
+    for (int64_t p = 0; p < (int64_t)T * top_k; p++) {   /* stable: tokens ascending within an expert */
+        row_of[p] = local_of[ids[p]] < experts ? cursor[local_of[ids[p]]]++ : -1;
+        if (row_of[p] >= 0) pairs[row_of[p]] = p;
+    }
+    uint32_t *xb = malloc((size_t)blocks * (H / 32) * 1024 + 64), *xb2 = malloc((size_t)blocks * (I / 32) * 1024 + 64);
+    uint16_t *gate_up = malloc((size_t)rows * 2 * I * 2 + 64), *act = malloc((size_t)rows * I * 2 + 64);
+    uint16_t *y = malloc((size_t)rows * H * 2 + 64);
+    if (!xb || !xb2 || !gate_up || !act || !y) {
+        free(count), free(pairs), free(xb), free(xb2), free(gate_up), free(act), free(y);
+        return 1;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) pack_expert_block(&g, b, x, pairs, top_k, xb, H);
+        amx_configure((const uint8_t[8]){16, 16, 16, 16, 16, 16, 16, 16});
+        experts_product(w13, xb, &g, gate_up, 2 * I, H, zeros);
+#pragma omp barrier
+        const int64_t r0 = rows * t / threads, r1 = rows * (t + 1) / threads;
+        silu_and_mul(gate_up + r0 * 2 * I, act + r0 * I, (int)(r1 - r0), I, 1, 1);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) pack_expert_block(&g, b, act, NULL, 1, xb2, I);
+        experts_product(w2, xb2, &g, y, H, I, zeros);
+        _tile_release();
+#pragma omp barrier
+        weighted_sum(y, row_of, ids, local_of, weights, top_k, (int64_t)T * t / threads,
+                     (int64_t)T * (t + 1) / threads, H, out);
+    }
+    free(count), free(pairs), free(xb), free(xb2), free(gate_up), free(act), free(y);
     return 0;
 }
 #else
@@ -676,4 +846,12 @@ int gemm_amx(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *
     (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)num_threads;
     return 1;
 }
+int moe_amx(const uint16_t *x, const int64_t *ids, const float *weights, const int64_t *local_of,
+            int T, int top_k, int experts, const uint16_t *w13, const uint16_t *w2, const float *zeros,
+            uint16_t *out, int H, int I, int num_threads) {
+    (void)x, (void)ids, (void)weights, (void)local_of, (void)T, (void)top_k, (void)experts, (void)w13;
+    (void)w2, (void)zeros, (void)out, (void)H, (void)I, (void)num_threads;
+    return 1;
+}
 #endif
+
