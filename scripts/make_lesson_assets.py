@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "lessons"
 IMAGE = re.compile(r"<!-- image: (.+) -->")
-IMAGE_REF = re.compile(r"!\[[^\]]*\]\((img/[^)]+)\)")
+IMAGE_REF = re.compile(r"!\[[^\]]*\]\(((?:\.\./)?img/[^)]+)\)")   # ../img/: lessons/ja/ showing an English frame
 FRAME_COLUMNS = 100      # the width replay frames are drawn at in SVG images
 
 

@@ -5,8 +5,9 @@
 The plotting code (replay_plots.py) is written once and asks `t(key)` for each title, axis label
 and legend entry; `use(lang)` picks the language for the figures drawn after it. Japanese needs
 a font with Japanese glyphs: the `ja` extra installs matplotlib-fontja (IPAex Gothic), and
-`use("ja")` makes it the figures' font. The terminal's replay frames and tables stay in English
-(the CLI speaks English), as do numbers, file names and code names (`max_num_batched_tokens`).
+`use("ja")` makes it the figures' font. The Japanese terms are the glossary's (lessons/ja/用語集.md).
+The terminal's replay frames and tables stay in English (the CLI speaks English), as do
+numbers, file names and code names (`max_num_batched_tokens`).
 tests/test_figure_text.py checks that the font has a glyph for every character of the table.
 """
 
@@ -19,12 +20,12 @@ TEXT: dict[str, dict[str, str]] = {
     "step": {"en": "step", "ja": "ステップ"},
     "request": {"en": "request", "ja": "リクエスト"},
     "requests over steps": {"en": "requests over steps", "ja": "ステップごとのリクエスト"},
-    "KV blocks": {"en": "KV blocks", "ja": "KV ブロック数"},
-    "KV cache pool": {"en": "KV cache pool ({n} blocks)", "ja": "KV キャッシュのプール({n} ブロック)"},
+    "KV blocks": {"en": "KV blocks", "ja": "KVブロック数"},
+    "KV cache pool": {"en": "KV cache pool ({n} blocks)", "ja": "KVキャッシュのプール({n} ブロック)"},
     "tokens": {"en": "tokens", "ja": "トークン数"},
     "tokens per step": {"en": "tokens per step", "ja": "ステップごとのトークン数"},
     "budget": {"en": "budget (max_num_batched_tokens) = {n}",
-               "ja": "予算(max_num_batched_tokens)= {n}"},
+               "ja": "トークン予算(max_num_batched_tokens)= {n}"},
     "far above": {"en": "{budget}: far above these bars", "ja": "{budget}:棒よりはるかに上"},
     "share of tokens": {"en": "share of the layer's tokens", "ja": "その層のトークンに占める割合"},
     "expert": {"en": "expert", "ja": "エキスパート"},
@@ -38,7 +39,7 @@ TEXT: dict[str, dict[str, str]] = {
     "latency CDFs": {"en": "latency CDFs", "ja": "レイテンシの累積分布"},
     # legends
     "wait": {"en": "wait", "ja": "待機"},
-    "prefill": {"en": "prefill", "ja": "プレフィル"},
+    "prefill": {"en": "prefill", "ja": "プリフィル"},
     "decode": {"en": "decode", "ja": "デコード"},
     "preempted": {"en": "preempted", "ja": "プリエンプション"},
     "preemption": {"en": "preemption", "ja": "プリエンプション"},
