@@ -16,6 +16,9 @@ A lesson (lessons/NN-*.md) has two kinds of generated parts:
   an SVG image.
 
 The parts run in document order, since later commands replay the traces earlier ones write.
+A lesson translated into Japanese (lessons/ja/, scripts/ja_sync.py) has its figures drawn again
+after it, in Japanese, into lessons/ja/img/ (the same commands with ` --lang ja`).
+
 Every command runs with OMP_NUM_THREADS=1: on a shared machine one thread per process keeps
 step times steady, and a 2M-parameter model loses nothing by it. tests/test_lessons.py runs
 every command through the same `parse` and `run`, so what a lesson shows is what CI runs.
@@ -133,6 +136,17 @@ def frame_svg(ansi: str, title: str) -> str:
     return console.export_svg(title=title)
 
 
+def japanese_figures(path: Path) -> list[Part]:
+    """The figures of the Japanese translation of `path` (lessons/ja/, none if untranslated):
+    the English markers' commands + ` --lang ja`, drawn into lessons/ja/img/ from the traces the
+    English lesson's commands just wrote. Its replay frames show the English images (../img/)."""
+    ja = LESSONS / "ja" / path.relative_to(LESSONS)
+    if not ja.exists():
+        return []
+    return [p for p in parse(ja.read_text(encoding="utf-8").splitlines())
+            if p.kind == "image" and not p.image.startswith("../")]
+
+
 def make(path: Path) -> None:
     lines = path.read_text().splitlines()
     new, last = [], 0
@@ -148,6 +162,10 @@ def make(path: Path) -> None:
         new += lines[last:part.start] + out.splitlines()
         last = part.end
     path.write_text("\n".join(new + lines[last:]) + "\n")
+    for part in japanese_figures(path):
+        (LESSONS / "ja" / "img").mkdir(exist_ok=True)
+        seconds = make_image(part, LESSONS / "ja" / part.image)
+        print(f"  {seconds:5.1f} s  ja/{part.image}")
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import ja_sync  # noqa: E402  (scripts/ is not a package)
+from make_lesson_assets import IMAGE_REF, parse  # noqa: E402
 
 TRANSLATED = ["01", "02"]   # issue 55: the lessons translated so far (with their answer keys)
 
@@ -31,6 +32,23 @@ def test_japanese_file_is_in_step_with_its_english_one(path):
 def test_every_english_file_has_its_japanese_counterpart():
     missing = ja_sync.missing_translations()
     assert not missing, f"not translated yet: {missing}"
+
+
+def test_japanese_images_are_in_the_repo():
+    """The figures a Japanese lesson shows are in lessons/ja/img/ (make_lesson_assets.py draws
+    them; tests/test_lessons.py draws them again after the English lesson's commands), its replay
+    frames are the English ones, and lessons/ja/img/ holds nothing else."""
+    referenced = set()
+    for path in ja_sync.JA.glob("[0-9][0-9]-*.md"):
+        text = path.read_text(encoding="utf-8")
+        images = [p.image for p in parse(text.splitlines()) if p.kind == "image"]
+        assert set(IMAGE_REF.findall(text)) == set(images), f"{path.name}: unmarked images"
+        for image in images:
+            assert (ja_sync.JA / image).stat().st_size > 1000, f"{path.name}: {image}"
+        referenced |= {i for i in images if i.startswith("img/")}
+    folder = ja_sync.JA / "img"
+    on_disk = {f"img/{p.name}" for p in folder.iterdir()} if folder.exists() else set()
+    assert on_disk == referenced, f"unreferenced images: {on_disk - referenced}"
 
 
 LESSON = """# Lesson 9: a lesson
