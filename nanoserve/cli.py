@@ -241,6 +241,8 @@ def _add_memory(sub) -> None:
                      "e.g. as the engine measured it (default: estimated from the config).")
     mem.add_argument("--plot", metavar="FILE", help="Write a figure: memory against context "
                      "length and batch size.")
+    mem.add_argument("--lang", choices=["en", "ja"], default="en", help="The figure's language "
+                     "(ja: pip install 'nanoserve[ja]'); the table stays English.")
     sizing = ("dtype", "max_model_len", "block_size", "kv_cache_memory_gb",
               "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "quantization")
     Config.add_cli_args(mem, skip=tuple(f.name for f in dataclasses.fields(Config)

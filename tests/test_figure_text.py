@@ -4,7 +4,8 @@
 
 A character the font lacks renders as an empty box, and matplotlib only warns. So: every
 character of every Japanese string in the table is in the Japanese font's character map, and
-drawing the figures of a trace in Japanese emits no "Glyph ... missing" warning.
+drawing the figures (a trace's, `nanoserve memory`'s) in Japanese emits no "Glyph ...
+missing" warning.
 """
 
 import io
@@ -54,6 +55,16 @@ def test_japanese_figures_draw_without_missing_glyphs(japanese):
             fig.savefig(io.BytesIO(), format="png")
     glyphs = [str(w.message) for w in caught if "missing from" in str(w.message)]
     assert not glyphs, glyphs
+
+
+def test_the_memory_figure_in_japanese_draws_without_missing_glyphs(japanese, tmp_path):
+    from nanoserve.tools.memory import memory_report
+    from nanoserve.tools.memory_plot import plot_memory
+    report = memory_report(str(ROOT / "examples" / "llama-3-8b-config.json"), device_memory_gb=24)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plot_memory(report, str(tmp_path / "memory.png"), "ja")
+    assert not [w for w in caught if "missing from" in str(w.message)]
 
 
 def test_without_the_font_the_error_names_the_extra(monkeypatch):

@@ -2,10 +2,11 @@
 
     nanoserve trace traces/preemption_storm.jsonl --plot figs/ --lang ja   # the figures in Japanese
 
-The plotting code (replay_plots.py) is written once and asks `t(key)` for each title, axis label
-and legend entry; `use(lang)` picks the language for the figures drawn after it. Japanese needs
-a font with Japanese glyphs: the `ja` extra installs matplotlib-fontja (IPAex Gothic), and
-`use("ja")` makes it the figures' font. The Japanese terms are the glossary's (lessons/ja/用語集.md).
+The plotting code (replay_plots.py, memory_plot.py) is written once and asks `t(key)` for each
+title, axis label and legend entry; `use(lang)` picks the language of the figures drawn after it.
+Japanese needs a font with Japanese glyphs: the `ja` extra installs matplotlib-fontja (IPAex
+Gothic), and `use("ja")` makes it the figures' font. The Japanese terms are the glossary's
+(lessons/ja/用語集.md).
 The terminal's replay frames and tables stay in English (the CLI speaks English), as do
 numbers, file names and code names (`max_num_batched_tokens`).
 tests/test_figure_text.py checks that the font has a glyph for every character of the table.
@@ -37,6 +38,13 @@ TEXT: dict[str, dict[str, str]] = {
     "end-to-end latency": {"en": "end-to-end latency (s)", "ja": "全体のレイテンシ(秒)"},
     "fraction of requests": {"en": "fraction of requests", "ja": "リクエストの割合"},
     "latency CDFs": {"en": "latency CDFs", "ja": "レイテンシの累積分布"},
+    # nanoserve memory --plot (memory_plot.py)
+    "context length": {"en": "context length (tokens) of {n} sequence(s)",
+                       "ja": "{n} 本のシーケンスのコンテキスト長(トークン)"},
+    "sequences of": {"en": "sequences of max_model_len {n}", "ja": "max_model_len {n} のシーケンス数"},
+    "GiB per GPU": {"en": "GiB per GPU", "ja": "GPU あたりの GiB"},
+    "fits": {"en": "fits: {n} sequences of max_model_len {len} at once",
+             "ja": "収まる:max_model_len {len} のシーケンスが同時に {n} 本"},
     # legends
     "wait": {"en": "wait", "ja": "待機"},
     "prefill": {"en": "prefill", "ja": "プリフィル"},
@@ -46,6 +54,10 @@ TEXT: dict[str, dict[str, str]] = {
     "used": {"en": "used", "ja": "使用中"},
     "cached": {"en": "cached (free, hashed)", "ja": "キャッシュ済み(空き、ハッシュあり)"},
     "free": {"en": "free", "ja": "空き"},
+    "weights": {"en": "weights", "ja": "重み"},
+    "activation reserve": {"en": "activation reserve", "ja": "活性化の予約"},
+    "KV cache": {"en": "KV cache", "ja": "KVキャッシュ"},
+    "limit": {"en": "limit {gib} GiB", "ja": "上限 {gib} GiB"},
 }
 
 _lang = "en"
