@@ -48,8 +48,7 @@ def main(trace: Trace, with_summary: bool = False, plot: Optional[str] = None,
     console = console or Console()
     if with_summary or compare:
         console.print(summary_table(trace, *([Trace.load(compare)] if compare else [])))
-    use(lang)
-    for written in write_plots(trace, plot) if plot else []:
+    for written in write_plots(trace, plot, lang) if plot else []:
         console.print(f"wrote {written}")
     if chrome:
         with open(chrome, "w", encoding="utf-8") as f:
@@ -151,8 +150,10 @@ def summary_table(*traces: Trace) -> Table:
     return table
 
 
-def write_plots(trace: Trace, out_dir: str) -> list[str]:
-    """Draw the figures into out_dir (created if missing); returns their paths."""
+def write_plots(trace: Trace, out_dir: str, lang: str = "en") -> list[str]:
+    """Draw the figures into out_dir (created if missing), their words in `lang`; returns their
+    paths."""
+    use(lang)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     figures = [("gantt", gantt), ("kv_blocks", kv_blocks), ("tokens", tokens),
