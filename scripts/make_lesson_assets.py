@@ -2,6 +2,7 @@
 
     python scripts/make_lesson_assets.py          # every lesson and its answers, a few minutes
     python scripts/make_lesson_assets.py 3 4      # lessons 03 and 04 (and their answers) only
+    python scripts/make_lesson_assets.py --ja 2   # lessons/ja/img/'s figures of lesson 02 only
 
 A lesson (lessons/NN-*.md) has two kinds of generated parts:
 
@@ -147,13 +148,16 @@ def japanese_figures(path: Path) -> list[Part]:
             if p.kind == "image" and not p.image.startswith("../")]
 
 
-def make(path: Path) -> None:
+def make(path: Path, japanese_only: bool = False) -> None:
+    """Run the lesson's parts and write back their outputs and images, then draw its Japanese
+    figures; `japanese_only`: run its commands for their traces, but change no English file."""
     lines = path.read_text().splitlines()
     new, last = [], 0
     for part in parse(lines):
         if part.kind == "image":
-            seconds = make_image(part, LESSONS / part.image)
-            print(f"  {seconds:5.1f} s  {part.image}")
+            if not japanese_only:
+                seconds = make_image(part, LESSONS / part.image)
+                print(f"  {seconds:5.1f} s  {part.image}")
             continue
         code, out, seconds = run(part.command)
         print(f"  {seconds:5.1f} s  $ {part.command.splitlines()[0]}")
@@ -161,7 +165,8 @@ def make(path: Path) -> None:
             raise RuntimeError(f"{path.name}: `{part.command}` failed ({code}):\n{out}")
         new += lines[last:part.start] + out.splitlines()
         last = part.end
-    path.write_text("\n".join(new + lines[last:]) + "\n")
+    if not japanese_only:
+        path.write_text("\n".join(new + lines[last:]) + "\n")
     for part in japanese_figures(path):
         (LESSONS / "ja" / "img").mkdir(exist_ok=True)
         seconds = make_image(part, LESSONS / "ja" / part.image)
@@ -171,11 +176,13 @@ def make(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lessons", nargs="*", type=int, help="Lesson numbers (default: all).")
+    parser.add_argument("--ja", action="store_true", help="Only the Japanese figures "
+                        "(lessons/ja/img/): the English files stay as they are.")
     args = parser.parse_args()
-    for path in lesson_files() + answer_files():
+    for path in lesson_files() + ([] if args.ja else answer_files()):
         if not args.lessons or int(path.name[:2]) in args.lessons:
             print(path.relative_to(ROOT))
-            make(path)
+            make(path, japanese_only=args.ja)
 
 
 if __name__ == "__main__":
