@@ -77,3 +77,11 @@ def test_without_the_font_the_error_names_the_extra(monkeypatch):
 def test_unknown_language_is_refused():
     with pytest.raises(ValueError, match="en, ja"):
         figure_text.use("fr")
+
+
+def test_trace_plot_lang_ja_from_the_cli(japanese, tmp_path):
+    from nanoserve.cli import main
+    main(["trace", str(ROOT / "traces" / "preemption_storm.jsonl"), "--plot", str(tmp_path),
+          "--lang", "ja"])
+    assert (tmp_path / "kv_blocks.png").stat().st_size > 1000
+    assert figure_text.t("free") == "空き"
