@@ -1,6 +1,7 @@
 """ja_sync.py: is the Japanese edition of the course (lessons/ja/) in step with the English one?
 
-    python scripts/ja_sync.py        # every difference, one a line; exit status 1 if any
+    python scripts/ja_sync.py            # every difference, one a line; exit status 1 if any
+    python scripts/ja_sync.py --refresh  # after make_lesson_assets.py: copy new outputs over
 
 lessons/ja/ mirrors lessons/ file for file (lessons/ja/answers/01-the-map.md translates
 lessons/answers/01-the-map.md), plus a glossary, lessons/ja/用語集.md. Line 1 of every mirror:
@@ -22,12 +23,18 @@ What a translation keeps exactly as in English (the CLI speaks English), and is 
   with neither: the terminal's replay, which stays English) keeps the English marker and shows
   the English image: `![日本語](../img/NAME)`.
 tests/test_lessons_ja.py runs this check on every mirror.
+
+When make_lesson_assets.py runs an English lesson again, its outputs change (timings) and so
+does its blob. `--refresh` then copies the new outputs into each translation whose English file
+changed in its console outputs only (the old text read with `git cat-file blob`) and records the
+new blob; a change in the prose is left to the translator (`git diff COMMIT -- FILE`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -128,12 +135,56 @@ def check(ja_path: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
+def without_outputs(lines: list[str]) -> list[str]:
+    """The text with every console block's output left out (its command kept)."""
+    kept, last = [], 0
+    for part in (p for p in parse(lines) if p.kind == "command"):
+        kept += lines[last:part.start]
+        last = part.end
+    return kept + lines[last:]
+
+
+def git(root: Path, *args: str) -> str | None:
+    proc = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def refresh(ja_path: Path, root: Path = ROOT) -> bool:
+    """Copy the English file's new console outputs into its translation and record its blob,
+    if that is all that changed since the sync; True if the translation was rewritten."""
+    lines = ja_path.read_text(encoding="utf-8").splitlines()
+    header = HEADER.fullmatch(lines[0].strip()) if lines else None
+    if not header or not (root / header[1]).is_file():
+        return False
+    source, _, blob = header.groups()
+    data = (root / source).read_bytes()
+    new, old = data.decode().splitlines(), git(root, "cat-file", "blob", blob)
+    if blob_sha(data) == blob or old is None:
+        return False
+    outputs = [p.output for p in parse(new) if p.kind == "command"]
+    ja, kept, last = lines[1:], [], 0
+    blocks = [p for p in parse(ja) if p.kind == "command"]
+    if without_outputs(old.splitlines()) != without_outputs(new) or len(blocks) != len(outputs):
+        return False
+    for part, output in zip(blocks, outputs):
+        kept += ja[last:part.start] + output.splitlines()
+        last = part.end
+    commit = (git(root, "log", "-1", "--format=%H", "--", source) or "").strip()
+    line1 = f"<!-- synced-with: {source} commit={commit} blob={blob_sha(data)} -->"
+    ja_path.write_text("\n".join([line1, *kept, *ja[last:]]) + "\n", encoding="utf-8")
+    return True
+
+
 def japanese_files(root: Path = ROOT) -> list[Path]:
     """Every Markdown file of lessons/ja/ but the glossary."""
     return sorted(p for p in (root / "lessons" / "ja").rglob("*.md") if p.name != GLOSSARY)
 
 
 def main() -> int:
+    if "--refresh" in sys.argv[1:]:
+        for path in japanese_files():
+            if refresh(path):
+                print(f"refreshed {path.relative_to(ROOT)}: the English outputs, the new blob")
     problems = [line for path in japanese_files() for line in check(path)]
     for line in problems:
         print(line)

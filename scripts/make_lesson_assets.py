@@ -18,7 +18,9 @@ A lesson (lessons/NN-*.md) has two kinds of generated parts:
 
 The parts run in document order, since later commands replay the traces earlier ones write.
 A lesson translated into Japanese (lessons/ja/, scripts/ja_sync.py) has its figures drawn again
-after it, in Japanese, into lessons/ja/img/ (the same commands with ` --lang ja`).
+after it, in Japanese, into lessons/ja/img/ (the same commands with ` --lang ja`). The outputs
+written back change the English file: `python scripts/ja_sync.py --refresh` then copies them
+into the translations.
 
 Every command runs with OMP_NUM_THREADS=1: on a shared machine one thread per process keeps
 step times steady, and a 2M-parameter model loses nothing by it. tests/test_lessons.py runs

@@ -131,3 +131,23 @@ def test_a_file_without_its_header_is_reported(tmp_path):
     path = write(tmp_path, LESSON, JAPANESE)
     path.write_text(JAPANESE, encoding="utf-8")
     assert "line 1 must be <!-- synced-with:" in ja_sync.check(path, tmp_path)[0]
+
+
+def test_refresh_copies_new_outputs_but_not_a_new_text(tmp_path):
+    """make_lesson_assets.py ran the English lesson again: `--refresh` brings the translation
+    along when only outputs changed, and leaves it stale when the prose changed too."""
+    path = write(tmp_path, LESSON, JAPANESE)
+
+    def commit(text: str) -> None:
+        (tmp_path / "lessons" / "09-a.md").write_text(text)
+        for args in (["add", "lessons/09-a.md"], ["commit", "-qm", "lesson 9"]):
+            assert ja_sync.git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", *args) is not None
+    assert ja_sync.git(tmp_path, "init", "-q") is not None
+    commit(LESSON)
+    rerun = LESSON.replace("Once upon a time, a\n", "Once upon a time, a\nsecond line\n")
+    commit(rerun)
+    assert ja_sync.refresh(path, tmp_path) and ja_sync.check(path, tmp_path) == []
+    assert "second line" in path.read_text(encoding="utf-8")
+    commit(rerun.replace("Open `", "First open `"))
+    assert not ja_sync.refresh(path, tmp_path)
+    assert "changed since the Japanese edition was synced" in ja_sync.check(path, tmp_path)[0]
