@@ -2,6 +2,7 @@
 
     nanoserve trace traces/preemption_storm.jsonl --summary           # a table
     nanoserve trace traces/preemption_storm.jsonl --plot figs/        # four PNGs
+    nanoserve trace traces/preemption_storm.jsonl --plot figs/ --lang ja   # in Japanese
     nanoserve trace traces/preemption_storm.jsonl --chrome run.json   # open in ui.perfetto.dev
 
 The summary's latencies come from the trace's clock: a token's time is the end of the step
