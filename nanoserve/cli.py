@@ -108,7 +108,7 @@ def _trace(args: argparse.Namespace) -> None:
                   compare=args.compare)
     trace = replay.main(args.file, step=args.step, speed=args.speed,
                         animate=not any(others.values()))
-    replay_plots.main(trace, **others)
+    replay_plots.main(trace, **others, lang=args.lang)
 
 
 def _memory(args: argparse.Namespace) -> None:
@@ -211,6 +211,8 @@ def _add_trace(sub) -> None:
                      "(keys on a terminal: space pause, n/b step, q quit).")
     trc.add_argument("--plot", metavar="DIR", help="Write PNGs to DIR: request Gantt, KV blocks, "
                      "tokens per step, latency CDFs.")
+    trc.add_argument("--lang", choices=["en", "ja"], default="en", help="The figures' language "
+                     "(ja: pip install 'nanoserve[ja]'); the terminal's replay stays English.")
     trc.add_argument("--summary", action="store_true", help="Print requests, steps, preemptions, "
                      "prefix hit rate, batch size, structured outputs and latency percentiles.")
     trc.add_argument("--chrome", metavar="FILE", help="Write Chrome/Perfetto trace-event JSON.")
@@ -239,6 +241,8 @@ def _add_memory(sub) -> None:
                      "e.g. as the engine measured it (default: estimated from the config).")
     mem.add_argument("--plot", metavar="FILE", help="Write a figure: memory against context "
                      "length and batch size.")
+    mem.add_argument("--lang", choices=["en", "ja"], default="en", help="The figure's language "
+                     "(ja: pip install 'nanoserve[ja]'); the table stays English.")
     sizing = ("dtype", "max_model_len", "block_size", "kv_cache_memory_gb",
               "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "quantization")
     Config.add_cli_args(mem, skip=tuple(f.name for f in dataclasses.fields(Config)

@@ -2,6 +2,7 @@
 
     python scripts/make_lesson_assets.py          # every lesson and its answers, a few minutes
     python scripts/make_lesson_assets.py 3 4      # lessons 03 and 04 (and their answers) only
+    python scripts/make_lesson_assets.py --ja 2   # lessons/ja/img/'s figures of lesson 02 only
 
 A lesson (lessons/NN-*.md) has two kinds of generated parts:
 
@@ -16,6 +17,11 @@ A lesson (lessons/NN-*.md) has two kinds of generated parts:
   an SVG image.
 
 The parts run in document order, since later commands replay the traces earlier ones write.
+A lesson translated into Japanese (lessons/ja/, scripts/ja_sync.py) has its figures drawn again
+after it, in Japanese, into lessons/ja/img/ (the same commands with ` --lang ja`). The outputs
+written back change the English file: `python scripts/ja_sync.py --refresh` then copies them
+into the translations.
+
 Every command runs with OMP_NUM_THREADS=1: on a shared machine one thread per process keeps
 step times steady, and a 2M-parameter model loses nothing by it. tests/test_lessons.py runs
 every command through the same `parse` and `run`, so what a lesson shows is what CI runs.
@@ -37,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LESSONS = ROOT / "lessons"
 IMAGE = re.compile(r"<!-- image: (.+) -->")
-IMAGE_REF = re.compile(r"!\[[^\]]*\]\((img/[^)]+)\)")
+IMAGE_REF = re.compile(r"!\[[^\]]*\]\(((?:\.\./)?img/[^)]+)\)")   # ../img/: lessons/ja/ showing an English frame
 FRAME_COLUMNS = 100      # the width replay frames are drawn at in SVG images
 
 
@@ -133,13 +139,27 @@ def frame_svg(ansi: str, title: str) -> str:
     return console.export_svg(title=title)
 
 
-def make(path: Path) -> None:
+def japanese_figures(path: Path) -> list[Part]:
+    """The figures of the Japanese translation of `path` (lessons/ja/, none if untranslated):
+    the English markers' commands + ` --lang ja`, drawn into lessons/ja/img/ from the traces the
+    English lesson's commands just wrote. Its replay frames show the English images (../img/)."""
+    ja = LESSONS / "ja" / path.relative_to(LESSONS)
+    if not ja.exists():
+        return []
+    return [p for p in parse(ja.read_text(encoding="utf-8").splitlines())
+            if p.kind == "image" and not p.image.startswith("../")]
+
+
+def make(path: Path, japanese_only: bool = False) -> None:
+    """Run the lesson's parts and write back their outputs and images, then draw its Japanese
+    figures; `japanese_only`: run its commands for their traces, but change no English file."""
     lines = path.read_text().splitlines()
     new, last = [], 0
     for part in parse(lines):
         if part.kind == "image":
-            seconds = make_image(part, LESSONS / part.image)
-            print(f"  {seconds:5.1f} s  {part.image}")
+            if not japanese_only:
+                seconds = make_image(part, LESSONS / part.image)
+                print(f"  {seconds:5.1f} s  {part.image}")
             continue
         code, out, seconds = run(part.command)
         print(f"  {seconds:5.1f} s  $ {part.command.splitlines()[0]}")
@@ -147,17 +167,24 @@ def make(path: Path) -> None:
             raise RuntimeError(f"{path.name}: `{part.command}` failed ({code}):\n{out}")
         new += lines[last:part.start] + out.splitlines()
         last = part.end
-    path.write_text("\n".join(new + lines[last:]) + "\n")
+    if not japanese_only:
+        path.write_text("\n".join(new + lines[last:]) + "\n")
+    for part in japanese_figures(path):
+        (LESSONS / "ja" / "img").mkdir(exist_ok=True)
+        seconds = make_image(part, LESSONS / "ja" / part.image)
+        print(f"  {seconds:5.1f} s  ja/{part.image}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("lessons", nargs="*", type=int, help="Lesson numbers (default: all).")
+    parser.add_argument("--ja", action="store_true", help="Only the Japanese figures "
+                        "(lessons/ja/img/): the English files stay as they are.")
     args = parser.parse_args()
-    for path in lesson_files() + answer_files():
+    for path in lesson_files() + ([] if args.ja else answer_files()):
         if not args.lessons or int(path.name[:2]) in args.lessons:
             print(path.relative_to(ROOT))
-            make(path)
+            make(path, japanese_only=args.ja)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from nanoserve import LLM
 from nanoserve.cli import main as cli
 from nanoserve.layers import Linear
 from nanoserve.tools.cost import CostInputs, cost_inputs, plot_cost
-from nanoserve.tools.memory import memory_report, plot_memory
+from nanoserve.tools.memory import memory_report
+from nanoserve.tools.memory_plot import plot_memory
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parent.parent

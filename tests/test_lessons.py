@@ -126,7 +126,8 @@ def test_every_citation_resolves(path):
 
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.name[:2])
 def test_every_command_runs(path, tmp_path):
-    """Every command and image of the lesson, in order (later ones read earlier traces)."""
+    """Every command and image of the lesson, in order (later ones read earlier traces), then
+    the figures of its Japanese translation (its commands are these: tests/test_lessons_ja.py)."""
     total = 0.0
     for part in assets.parse(path.read_text().splitlines()):
         if part.kind == "image":
@@ -145,6 +146,10 @@ def test_every_command_runs(path, tmp_path):
                     f"{part.command}: the lesson shows an old output (timings aside)"
         assert seconds < COMMAND_LIMIT_S, part.command
         total += seconds
+    (tmp_path / "ja").mkdir()
+    for part in assets.japanese_figures(path):   # lessons/ja/'s figures, from the traces just made
+        total += assets.make_image(part, tmp_path / "ja" / Path(part.image).name, COMMAND_LIMIT_S)
+        assert (tmp_path / "ja" / Path(part.image).name).stat().st_size > 1000, part.command
     seconds_per_lesson[path.name] = total
 
 

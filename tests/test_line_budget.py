@@ -121,7 +121,9 @@ CPU_BACKEND_BUDGET = 3500
 # GEMM kernel with int8 / fp8 weights scaled per channel, its launcher and the op's forward) and
 # bind's binding and warm-up of it at both tiles (~15).
 CUDA_BACKEND_BUDGET = 1075
-TOOLS_BUDGET = 1750
+# + 90 for issue 55's figures in Japanese: figure_text.py (~80, most of it the table of every
+# figure's words in English and Japanese, and the Japanese font's set-up) and --lang in replay_plots.
+TOOLS_BUDGET = 1840
 MAX_LINES_PER_FILE = 400
 MAX_LINES_PER_FUNCTION = 60
 

@@ -1,4 +1,5 @@
-"""The README's test command is the one CI runs, and the layer table names real files."""
+"""The README's test command is the one CI runs, the layer table names real files, and the
+Japanese README (README.ja.md) shows the same two commands."""
 
 import re
 from pathlib import Path
@@ -6,8 +7,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def readme_commands() -> list[str]:
-    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
+def readme_commands(name: str = "README.md") -> list[str]:
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / name).read_text(encoding="utf-8"))
 
 
 def test_ci_runs_the_readme_test_command():
@@ -20,3 +21,8 @@ def test_ci_runs_the_readme_test_command():
 def test_layer_table_names_existing_files():
     for path in re.findall(r"\| `(nanoserve/[\w/]+\.py)` \|", (ROOT / "README.md").read_text()):
         assert (ROOT / path).is_file(), path
+
+
+def test_japanese_readme_shows_the_same_two_commands():
+    assert readme_commands("README.ja.md") == readme_commands()[:2]
+    assert "](README.ja.md)" in (ROOT / "README.md").read_text()

@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
@@ -356,42 +355,13 @@ def print_report(r: MemoryReport, console: Optional[Console] = None,
     console.print(verdict(r), style=style)
 
 
-def plot_memory(r: MemoryReport, path: str) -> None:
-    """Memory, stacked (weights, reserve, KV cache) against the limit (dashed). Left: against
-    context length, for as many sequences as fit at max_model_len; right: against the number
-    of sequences of max_model_len. The dotted line marks the configured point."""
-    block_bytes = r.kv_bytes_per_token * r.block_size
-    batch = max(r.num_seqs, 1)
-    step = max(r.block_size, r.max_model_len // 64)
-    contexts = list(range(r.block_size, 2 * r.max_model_len + 1, step))
-    batches = list(range(1, 2 * batch + 2))
-    fig = Figure(figsize=(12, 4.5), layout="constrained")
-    left, right = fig.subplots(1, 2)
-    panels = ((left, contexts, [batch * -(-c // r.block_size) * block_bytes for c in contexts],
-               f"context length (tokens) of {batch} sequence(s)", r.max_model_len),
-              (right, batches, [b * r.blocks_per_seq * block_bytes for b in batches],
-               f"sequences of max_model_len {r.max_model_len}", batch))
-    for ax, xs, kv, xlabel, mark in panels:
-        ax.stackplot(xs, [r.weight_bytes / GiB] * len(xs), [r.activation_bytes / GiB] * len(xs),
-                     [k / GiB for k in kv], labels=["weights", "activation reserve", "KV cache"],
-                     colors=["#4c72b0", "#dd8452", "#55a868"], alpha=0.85)
-        ax.axhline(r.limit_bytes / GiB, color="black", linestyle="--",
-                   label=f"limit {r.limit_bytes / GiB:.1f} GiB")
-        ax.axvline(mark, color="grey", linestyle=":")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("GiB" + (" per GPU" if r.tensor_parallel_size > 1 else ""))
-        ax.set_ylim(0, 1.3 * max(r.limit_bytes, r.weight_bytes + r.activation_bytes + kv[-1]) / GiB)
-        ax.legend(loc="upper left", fontsize="small", ncol=2)
-    fig.suptitle(f"{r.model}: {verdict(r)}", fontsize="medium")
-    fig.savefig(path, dpi=120)
-
-
-def main(plot: Optional[str] = None, **kwargs) -> None:
+def main(plot: Optional[str] = None, lang: str = "en", **kwargs) -> None:
     report = memory_report(**kwargs)
     unquantized = memory_report(**{**kwargs, "quantization": None}) if report.quantization else None
     print_report(report, unquantized=unquantized)
     if plot:
-        plot_memory(report, plot)
+        from nanoserve.tools.memory_plot import plot_memory     # the figure's words in `lang`
+        plot_memory(report, plot, lang)
         print(f"wrote {plot}")
 
 

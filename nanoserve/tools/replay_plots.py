@@ -2,6 +2,7 @@
 
     nanoserve trace traces/preemption_storm.jsonl --summary           # a table
     nanoserve trace traces/preemption_storm.jsonl --plot figs/        # four PNGs
+    nanoserve trace traces/preemption_storm.jsonl --plot figs/ --lang ja   # in Japanese
     nanoserve trace traces/preemption_storm.jsonl --chrome run.json   # open in ui.perfetto.dev
 
 The summary's latencies come from the trace's clock: a token's time is the end of the step
@@ -33,6 +34,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from nanoserve.tools.figure_text import t, use
 from nanoserve.trace import Trace
 
 COLOURS = {"wait": "#d9d9d9", "prefill": "#f0a030", "decode": "#3a9a4a"}
@@ -40,13 +42,14 @@ COLOURS = {"wait": "#d9d9d9", "prefill": "#f0a030", "decode": "#3a9a4a"}
 
 def main(trace: Trace, with_summary: bool = False, plot: Optional[str] = None,
          chrome: Optional[str] = None, compare: Optional[str] = None,
-         console: Optional[Console] = None) -> None:
+         console: Optional[Console] = None, lang: str = "en") -> None:
     """`nanoserve trace`'s other outputs, each asked for: the summary table (`compare`: a
-    second trace's summary beside it), the figures into the folder `plot`, the Chrome JSON."""
+    second trace's summary beside it), the figures into the folder `plot` (their words in
+    `lang`: figure_text.py), the Chrome JSON."""
     console = console or Console()
     if with_summary or compare:
         console.print(summary_table(trace, *([Trace.load(compare)] if compare else [])))
-    for written in write_plots(trace, plot) if plot else []:
+    for written in write_plots(trace, plot, lang) if plot else []:
         console.print(f"wrote {written}")
     if chrome:
         with open(chrome, "w", encoding="utf-8") as f:
@@ -148,8 +151,10 @@ def summary_table(*traces: Trace) -> Table:
     return table
 
 
-def write_plots(trace: Trace, out_dir: str) -> list[str]:
-    """Draw the figures into out_dir (created if missing); returns their paths."""
+def write_plots(trace: Trace, out_dir: str, lang: str = "en") -> list[str]:
+    """Draw the figures into out_dir (created if missing), their words in `lang`; returns their
+    paths."""
+    use(lang)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     figures = [("gantt", gantt), ("kv_blocks", kv_blocks), ("tokens", tokens),
@@ -190,18 +195,18 @@ def gantt(trace: Trace) -> Figure:
         for kind in COLOURS:
             spans = [(s - 0.5, n) for k, s, n in runs if k == kind]
             ax.broken_barh(spans, (y - 0.4, 0.8), color=COLOURS[kind],
-                           label=kind if y == 0 else None)
+                           label=t(kind) if y == 0 else None)
         ax.scatter(r.preempt_steps, [y] * len(r.preempt_steps), marker="x", color="red",
-                   zorder=3, label="preempted" if r.preempt_steps and "preempted" not in
-                   ax.get_legend_handles_labels()[1] else None)
+                   zorder=3, label=t("preempted") if r.preempt_steps and t("preempted") not
+                   in ax.get_legend_handles_labels()[1] else None)
     ax.set_yticks(range(len(reqs)), [r.label for r in reqs])
     ax.invert_yaxis()
-    return _over_steps(fig, ax, "request", "requests over steps")
+    return _over_steps(fig, ax, t("request"), t("requests over steps"))
 
 
 def _over_steps(fig: Figure, ax, ylabel: str, title: str, legend_columns: int = 4) -> Figure:
     """The common ending of the figures drawn over the step number: labels, legend below, title."""
-    ax.set_xlabel("step")
+    ax.set_xlabel(t("step"))
     ax.set_ylabel(ylabel)
     fig.legend(loc="outside lower center", ncol=legend_columns, fontsize=8, frameon=False)
     fig.suptitle(title)
@@ -217,12 +222,12 @@ def kv_blocks(trace: Trace) -> Figure:
     free = [s["kv_free"] - s["kv_cached"] for s in sched]
     fig = Figure(figsize=(10, 3.8), layout="constrained")
     ax = fig.add_subplot()
-    ax.stackplot(steps, used, cached, free, labels=["used", "cached (free, hashed)", "free"],
+    ax.stackplot(steps, used, cached, free, labels=[t("used"), t("cached"), t("free")],
                  colors=["#8e44ad", "#58b368", "#e8e8e8"], step="mid")
     for i, s in enumerate(_preempt_steps(trace)):
-        ax.axvline(s, color="red", lw=0.8, ls="--", label="preemption" if i == 0 else None)
+        ax.axvline(s, color="red", lw=0.8, ls="--", label=t("preemption") if i == 0 else None)
     ax.set_ylim(0, trace.num_blocks)
-    return _over_steps(fig, ax, "KV blocks", f"KV cache pool ({trace.num_blocks} blocks)")
+    return _over_steps(fig, ax, t("KV blocks"), t("KV cache pool", n=trace.num_blocks))
 
 
 def tokens(trace: Trace) -> Figure:
@@ -232,36 +237,36 @@ def tokens(trace: Trace) -> Figure:
     decode = [s["num_decode_tokens"] for s in sched]
     fig = Figure(figsize=(10, 3.8), layout="constrained")
     ax = fig.add_subplot()
-    ax.bar(steps, prefill, width=1.0, color=COLOURS["prefill"], label="prefill")
-    ax.bar(steps, decode, width=1.0, bottom=prefill, color=COLOURS["decode"], label="decode")
+    ax.bar(steps, prefill, width=1.0, color=COLOURS["prefill"], label=t("prefill"))
+    ax.bar(steps, decode, width=1.0, bottom=prefill, color=COLOURS["decode"], label=t("decode"))
     top = max((p + d for p, d in zip(prefill, decode)), default=1)
-    budget = f"budget (max_num_batched_tokens) = {trace.budget or '?'}"
+    budget = t("budget", n=trace.budget or "?")
     if trace.budget and trace.budget <= 4 * top:     # else the bars would be slivers under it
         ax.axhline(trace.budget, color="black", ls="--", lw=1, label=budget)
         ax.set_ylim(0, trace.budget * 1.1)
     else:
-        ax.set_title(f"{budget}: far above these bars", fontsize=9)
-    return _over_steps(fig, ax, "tokens", "tokens per step", legend_columns=3)
+        ax.set_title(t("far above", budget=budget), fontsize=9)
+    return _over_steps(fig, ax, t("tokens"), t("tokens per step"), legend_columns=3)
 
 
 def expert_load_figure(trace: Trace) -> Figure:
     """Left: each MoE layer's tokens per expert over the run, as shares of the layer's total
     (even routing: every cell 1 / E). Right: each layer's imbalance (max / mean), step by step."""
     load, steps = expert_load(trace), sorted(trace.expert_load)
-    shares = [[n / max(sum(t), 1) for n in t] for t in load["totals"]]
+    shares = [[n / max(sum(row), 1) for n in row] for row in load["totals"]]
     per_step = [[imbalance(trace.expert_load[s][layer]) for s in steps]
                 for layer in range(load["layers"])]
     fig = Figure(figsize=(11, 1.8 + 0.22 * load["layers"]), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1, 2])
     fig.colorbar(left.imshow(shares, aspect="auto", cmap="viridis", interpolation="nearest"),
-                 ax=left, label="share of the layer's tokens")
-    left.set_xlabel("expert")
-    left.set_ylabel("MoE layer")
+                 ax=left, label=t("share of tokens"))
+    left.set_xlabel(t("expert"))
+    left.set_ylabel(t("MoE layer"))
     image = right.imshow(per_step, aspect="auto", cmap="magma", interpolation="nearest",
                          extent=(steps[0] - 0.5, steps[-1] + 0.5, load["layers"] - 0.5, -0.5))
-    fig.colorbar(image, ax=right, label="imbalance (max / mean)")
-    right.set_xlabel("step")
-    fig.suptitle(f"expert load ({load['experts']} experts, {load['layers']} MoE layers)")
+    fig.colorbar(image, ax=right, label=t("imbalance"))
+    right.set_xlabel(t("step"))
+    fig.suptitle(t("expert load", experts=load["experts"], layers=load["layers"]))
     return fig
 
 
@@ -275,11 +280,11 @@ def latency_cdf(trace: Trace) -> Figure:
         ax = fig.add_subplot(1, 2, i + 1)
         v = sorted(values)
         ax.step(v, [(k + 1) / len(v) for k in range(len(v))], where="post")
-        ax.set_xlabel(f"{name} (s)")
-        ax.set_ylabel("fraction of requests")
+        ax.set_xlabel(t(name))
+        ax.set_ylabel(t("fraction of requests"))
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-    fig.suptitle("latency CDFs")
+    fig.suptitle(t("latency CDFs"))
     return fig
 
 
