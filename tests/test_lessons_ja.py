@@ -8,6 +8,7 @@ Each Japanese file names, on line 1, the English file and the git blob it was tr
 the English lesson's, verbatim, which tests/test_lessons.py runs.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -50,6 +51,24 @@ def test_japanese_images_are_in_the_repo():
     folder = ja_sync.JA / "img"
     on_disk = {f"img/{p.name}" for p in folder.iterdir()} if folder.exists() else set()
     assert on_disk == referenced, f"unreferenced images: {on_disk - referenced}"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_link_of_the_japanese_edition_resolves():
+    """A link to a lesson goes to its Japanese file once it exists (not to the English one marked
+    as untranslated), and every relative link, to code or to English files, resolves."""
+    for path in sorted(ja_sync.JA.rglob("*.md")):
+        for target in LINK.findall(path.read_text(encoding="utf-8")):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            resolved = (path.parent / target).resolve()
+            assert resolved.exists(), f"{path.relative_to(ROOT)}: {target} does not resolve"
+            english = ja_sync.JA.parent.resolve()
+            if resolved.parent == english and (ja_sync.JA / resolved.name).exists():
+                raise AssertionError(f"{path.relative_to(ROOT)}: {target} is translated: link "
+                                     f"the Japanese {resolved.name}")
 
 
 LESSON = """# Lesson 9: a lesson
