@@ -57,9 +57,9 @@ class CpuFusedMoE:
         if paths["w13"] == paths["w2"] == "amx":   # (w13, w2, zero bias) for gemm.c's moe_amx
             w13, w2 = (weights[name][0].contiguous() for name in ("w13", "w2"))
             self.grouped = (w13, w2, torch.zeros(max(w13.shape[1], w2.shape[1])))
-        else:                                      # (w13, w2) Gemms per local expert
-            self.experts = list(zip(*([make_gemm(paths[name], w[e], None, None if s is None else s[e], dtype)
-                                       for e in range(self.local)] for name, (w, s) in weights.items())))
+        else:                                      # [w13, w2] Gemms per local expert
+            self.experts = [[make_gemm(paths[name], w[e], None, None if s is None else s[e], dtype)
+                             for name, (w, s) in weights.items()] for e in range(self.local)]
         op.w13_weight = op.w2_weight = None
         # global expert id -> local index; an expert held elsewhere -> `local`, sorted last, dropped
         self.local_of = torch.full((op.num_experts,), self.local)
